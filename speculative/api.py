@@ -1,0 +1,88 @@
+"""The Python entry point: load a target and a drafter, generate, get tokens and statistics.
+
+    from speculative import generate, GenerationConfig
+    result = generate("models/smollm2-135m", "self", "Once upon a time", mode="triforce",
+                      config=GenerationConfig(max_new_tokens=64, budget=512))
+    result.tokens, result.text, result.stats.to_dict()
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import GenerationConfig, ModelConfig
+from .engine import Generator, Models
+from .errors import UserError
+from .loader import load_model, load_tokenizer, same_tokenizer
+from .stats import Stats
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
+
+
+@dataclass
+class Loaded:
+    models: Models
+    tokenizer: object
+    target_config: ModelConfig
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load(target: str | Path, draft: str | Path | None = "self", dtype: str | torch.dtype = "float32",
+         device: str = "cpu", target_config: ModelConfig | None = None, max_len: int | None = None,
+         rank: int = 0, world_size: int = 1, progress: Callable | None = None) -> Loaded:
+    """Load the target (sharded when world_size > 1) and the drafter (replicated; None/'self' = target)."""
+    dtype = resolve_dtype(dtype)
+    cfg = target_config or ModelConfig.from_folder(target)
+    model = load_model(target, dtype, device, cfg, max_len, rank, world_size, progress)
+    tokenizer = load_tokenizer(target)
+    drafter = None
+    if draft not in (None, "self"):
+        draft_cfg = ModelConfig.from_folder(draft)
+        draft_tok = load_tokenizer(draft)
+        if not same_tokenizer(tokenizer, draft_tok):
+            raise UserError(f"the drafter {draft} uses a different tokenizer from the target {target}; "
+                            f"pick a drafter of the same model family or --draft self")
+        drafter = load_model(draft, dtype, device, draft_cfg)
+    return Loaded(Models(model, drafter), tokenizer, cfg)
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str | None
+    stats: Stats
+
+
+def generate(target: str | Path | Loaded, draft: str | Path | None, prompt: str | list[int], mode: str = "triforce",
+             config: GenerationConfig | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
+             on_tokens: Callable | None = None) -> Result:
+    """Generate from a prompt (text or token ids); returns the new token ids and statistics."""
+    config = config or GenerationConfig()
+    loaded = target if isinstance(target, Loaded) else load(target, draft, dtype, device)
+    ids = loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    gen = Generator(loaded.models, config, mode, max_len=len(ids) + config.max_new_tokens)
+    gen.prefill(ids)
+    tokens = gen.generate(on_tokens=on_tokens)
+    text = loaded.tokenizer.decode(tokens) if loaded.tokenizer is not None else None
+    return Result(tokens, text, gen.stats)
+
+
+def generate_ids(models: Models, prompt: list[int], mode: str, config: GenerationConfig,
+                 max_len: int | None = None) -> Result:
+    """Token ids in, token ids out, for in-memory models (tests, benchmarks)."""
+    gen = Generator(models, config, mode, max_len=max_len or len(prompt) + config.max_new_tokens)
+    gen.prefill(prompt)
+    return Result(gen.generate(), None, gen.stats)
+
+
+__all__ = ["load", "generate", "generate_ids", "Result", "Loaded", "GenerationConfig", "ModelConfig", "replace"]

@@ -1,0 +1,48 @@
+"""Attention of a few new query tokens against a cache laid out as (kv_heads, tokens, head_dim).
+
+Decode and verification (a handful of queries) use grouped matmuls: the query heads that share a
+KV head and all new tokens form the rows of one matrix, so each cached key and value is read once
+per pass however many tokens are verified. Long prefill chunks use torch SDPA, which never
+materialises the (queries x keys) score matrix.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (see benchmarks in README)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last T positions.
+
+    q: (T, Hq, D) rotated queries of the T newest tokens; keys/values: (Hkv, S, D) with the T newest
+    tokens last. Returns (T, Hq * D). Every earlier key is visible to every query.
+    """
+    if q.shape[0] >= SDPA_MIN_QUERIES:
+        return _attend_sdpa(q, keys, values)
+    return _attend_grouped(q, keys, values)
+
+
+def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    T, Hq, D = q.shape
+    Hkv, S, _ = keys.shape
+    rep = Hq // Hkv
+    # rows ordered (kv head, query head in group, token): one matmul per KV head reads its keys once
+    grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
+    scores = torch.matmul(grouped, keys.transpose(1, 2)).float() * D ** -0.5
+    if T > 1:  # only the last T keys can be in a query's future
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1).repeat(rep, 1)
+        scores[:, :, S - T:].masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # (Hkv, rep*T, D)
+    return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    T, Hq, D = q.shape
+    S = keys.shape[1]
+    visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                         attn_mask=visible, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(T, Hq * D)

@@ -1,0 +1,300 @@
+"""The engines: autoregressive, single-level speculative, retrieval self-speculation, hierarchical.
+
+All four are one loop over levels. A `Level` is a model plus a cache plus the list of tokens the
+cache holds; `Level.run(context, n)` brings the cache in line with `context` (rolling back what
+differs, feeding what is missing) and returns the logits of the last n positions. Proposers
+extend a context by n tokens and return the distributions they drew them from:
+
+    autoregressive proposer   one level sampling token by token (the drafter, or the middle level)
+    speculative proposer      a lower proposer drafts gamma tokens, this level verifies them in one
+                              pass; what it returns is distributed exactly as this level's model
+
+The top level verifies gamma proposals per pass against the full cache and commits.
+
+    mode            proposer under the full cache
+    autoregressive  none (one token per full pass)
+    speculative     drafter + StreamingLLM cache
+    retrieval       target + retrieval cache
+    triforce        target + retrieval cache, fed by drafter + StreamingLLM cache
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .caches import FullCache, StreamingCache
+from .config import GenerationConfig
+from .errors import UserError
+from .model import Transformer
+from .retrieval import RetrievalCache, check_budget
+from .sampling import Sampler, draw, verify_greedy, verify_sampled
+from .stats import Stats
+
+MODES = ("autoregressive", "speculative", "retrieval", "triforce")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Level:
+    """A model running against one cache; `tokens` are the sequence tokens the cache holds."""
+
+    def __init__(self, name: str, model: Transformer, cache, stats: Stats):
+        self.name, self.model, self.cache, self.stats = name, model, cache, stats
+        self.tokens: list[int] = []
+
+    def common_prefix(self, context: list[int], stable: int) -> int:
+        """Length of the shared prefix of self.tokens and context; both agree below `stable`."""
+        n = min(stable, len(self.tokens), len(context))
+        limit = min(len(self.tokens), len(context))
+        while n < limit and self.tokens[n] == context[n]:
+            n += 1
+        return n
+
+    def run(self, context: list[int], n_out: int, stable: int, progress: Callable | None = None) -> torch.Tensor:
+        """Logits (n_out, V) predicting the tokens after each of the last n_out positions of context."""
+        keep = min(self.common_prefix(context, stable), len(context) - n_out)
+        self.rollback(keep)
+        device = self.model.embed.weight.device
+        synchronize(device)
+        start = time.perf_counter()
+        feed = context[keep:]
+        logits = []
+        try:
+            for i in range(0, len(feed), self.cache.max_feed):
+                piece = feed[i:i + self.cache.max_feed]
+                out_needed = n_out - (len(feed) - i - len(piece))  # outputs this piece must return
+                ids = torch.tensor(piece, dtype=torch.long, device=device)
+                out = self.model(ids, self.cache, last_only=out_needed == 1 and n_out == 1)
+                if out_needed > 0:
+                    logits.append(out[-out_needed:])
+                self.tokens.extend(piece)
+                if progress is not None:
+                    progress(len(piece))
+        except BaseException:
+            self.cache.rollback(len(self.tokens))  # a half-done forward (e.g. Ctrl-C) leaves no trace
+            raise
+        synchronize(device)
+        self.stats.add_pass(self.name, time.perf_counter() - start)
+        return torch.cat(logits)[-n_out:]
+
+    def rollback(self, length: int) -> None:
+        if length < len(self.tokens):
+            self.cache.rollback(length)
+            del self.tokens[length:]
+
+
+class Sampling:
+    """The sampler plus its generator, shared by every level so runs are reproducible by seed."""
+
+    def __init__(self, cfg: GenerationConfig, device: torch.device):
+        self.sampler = Sampler(cfg.temperature, cfg.top_p, cfg.top_k)
+        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+
+    def pick(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """Tokens sampled from each row, and the rows' distributions (None when greedy)."""
+        if self.sampler.greedy:
+            return logits.argmax(dim=-1).tolist(), None
+        probs = self.sampler.probs(logits).cpu()
+        return [draw(p, self.generator) for p in probs], probs
+
+    def verify(self, drafts: list[int], draft_probs, logits: torch.Tensor) -> tuple[int, int, torch.Tensor | None]:
+        """(accepted, next token, this level's distributions (g+1, V) or None when greedy)."""
+        if self.sampler.greedy:
+            n, nxt = verify_greedy(drafts, logits.argmax(dim=-1).tolist())
+            return n, nxt, None
+        probs = self.sampler.probs(logits).cpu()
+        n, nxt = verify_sampled(drafts, draft_probs, probs, self.generator)
+        return n, nxt, probs
+
+
+class AutoregressiveProposer:
+    def __init__(self, level: Level, sampling: Sampling):
+        self.level, self.sampling = level, sampling
+
+    def propose(self, context: list[int], n: int, stable: int):
+        tokens, dists = [], []
+        for _ in range(n):
+            logits = self.level.run(context + tokens, 1, stable)
+            picked, probs = self.sampling.pick(logits)
+            tokens.append(picked[0])
+            dists.append(None if probs is None else probs[0])
+        return tokens, None if dists[0] is None else torch.stack(dists)
+
+
+class SpeculativeProposer:
+    """This level verifies `gamma` drafts of the lower proposer per pass; returns n tokens drawn
+    exactly from this level's model, with this level's distribution for each (passed upward)."""
+
+    def __init__(self, level: Level, lower, gamma: int, sampling: Sampling, stats_key: str):
+        self.level, self.lower, self.gamma, self.sampling, self.key = level, lower, gamma, sampling, stats_key
+
+    def propose(self, context: list[int], n: int, stable: int):
+        tokens, dists = [], []
+        while len(tokens) < n:
+            drafts, draft_probs = self.lower.propose(context + tokens, min(self.gamma, n - len(tokens)), stable)
+            logits = self.level.run(context + tokens + drafts, len(drafts) + 1, stable)
+            accepted, nxt, probs = self.sampling.verify(drafts, draft_probs, logits)
+            self.level.stats.add_acceptance(self.key, len(drafts), accepted)
+            tokens += drafts[:accepted] + [nxt]
+            if probs is not None:
+                dists += list(probs[:accepted + 1])
+        return tokens[:n], torch.stack(dists[:n]) if dists else None
+
+
+@dataclass
+class Models:
+    target: Transformer
+    drafter: Transformer | None  # None: the target's own weights ("self")
+
+
+class Generator:
+    """A stateful generation session: prefill once, then generate (and extend, for chat)."""
+
+    def __init__(self, models: Models, cfg: GenerationConfig, mode: str, max_len: int,
+                 full_cache_factory: Callable | None = None):
+        if mode not in MODES:
+            raise UserError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
+        self.models, self.cfg, self.mode, self.max_len = models, cfg, mode, max_len
+        target = models.target
+        self.device = target.embed.weight.device
+        self.stats = Stats()
+        self.sampling = Sampling(cfg, self.device)
+        margin = cfg.gamma1 + cfg.gamma2 + 2
+        make_full = full_cache_factory or (lambda shape, n: FullCache(shape, n, cfg.prefill_chunk))
+        self.full = Level("verify", target, make_full(target.kv_shape(), max_len + margin), self.stats)
+        self.middle = self.drafter = None
+        if mode in ("retrieval", "triforce"):
+            cache = RetrievalCache(target.kv_shape(), cfg.budget, cfg.chunk_size, scratch=margin + 1)
+            self.middle = Level("middle", target, cache, self.stats)
+        if mode in ("speculative", "triforce"):
+            drafter = models.drafter or target
+            cache = StreamingCache(drafter.kv_shape(), drafter.rotary, cfg.sink_tokens, cfg.draft_window,
+                                   slack=max(64, margin + 1))
+            self.drafter = Level("draft", drafter, cache, self.stats)
+        self.proposer, self.gamma = self._compose()
+        self.context: list[int] = []
+        self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
+        self._recent_acceptance: list[float] = []
+
+    def _compose(self):
+        cfg, s = self.cfg, self.sampling
+        if self.mode == "autoregressive":
+            return None, 0
+        if self.mode == "speculative":
+            return AutoregressiveProposer(self.drafter, s), cfg.gamma1
+        if self.mode == "retrieval":
+            return AutoregressiveProposer(self.middle, s), cfg.gamma2
+        lower = AutoregressiveProposer(self.drafter, s)
+        return SpeculativeProposer(self.middle, lower, cfg.gamma1, s, "draft->middle"), cfg.gamma2
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, prompt: list[int], progress: Callable | None = None) -> int:
+        """Process the prompt; returns the first generated token (sampled from the target)."""
+        if not prompt:
+            raise UserError("the prompt is empty; give some text")
+        if len(prompt) + self.cfg.max_new_tokens > self.max_len:
+            raise UserError(f"prompt ({len(prompt)} tokens) plus {self.cfg.max_new_tokens} new tokens exceeds "
+                            f"the context of {self.max_len}; shorten the prompt (--context) or lower --max-new-tokens")
+        if self.middle is not None:
+            check_budget(self.cfg.budget, self.cfg.chunk_size, len(prompt))
+        start = time.perf_counter()
+        self.stats.phase = "prefill"
+        logits = self.full.run(prompt, 1, 0, progress)
+        first, _ = self.sampling.pick(logits)
+        self.context = list(prompt) + first
+        self.committed = len(self.context)
+        if self.middle is not None:
+            self._rebuild(query_index=-1)
+        if self.drafter is not None:
+            self._prefill_drafter(prompt)
+        synchronize(self.device)
+        self.stats.phase = "decode"
+        self.stats.prefill_seconds += time.perf_counter() - start
+        self.stats.prompt_tokens += len(prompt)
+        return first[0]
+
+    def _prefill_drafter(self, prompt: list[int]) -> None:
+        """StreamingLLM state after a prompt: the sinks and the last window tokens, nothing between.
+
+        Running the drafter over just those tokens costs a window, not the whole prompt."""
+        level, cache = self.drafter, self.drafter.cache
+        sinks, window = cache.sinks, cache.window
+        if len(prompt) <= sinks + window:
+            level.run(prompt, 1, 0)
+            return
+        visible = prompt[:sinks] + prompt[-window:]
+        level.run(visible, 1, 0)
+        cache.length = len(prompt)  # the sequence the slots stand for
+        level.tokens = list(prompt)
+
+    def _rebuild(self, query_index: int) -> None:
+        n = self.committed - 1
+        queries = [q[query_index] for q in self.full.cache.queries]
+        self.middle.cache.build(self.full.cache, n, queries)
+        self.middle.tokens = self.context[:n]
+        self.stats.rebuilds += 1
+
+    # ------------------------------------------------------------------ decode
+    def generate(self, max_new_tokens: int | None = None, on_tokens: Callable | None = None,
+                 stop_ids: frozenset = frozenset()) -> list[int]:
+        """Generate after prefill; the first token (from prefill) counts. Returns new tokens."""
+        budget = max_new_tokens or self.cfg.max_new_tokens
+        out = [self.context[-1]]
+        if on_tokens:
+            on_tokens([self.context[-1]], "verify")
+        start = time.perf_counter()
+        while len(out) < budget and out[-1] not in stop_ids:
+            new = self.step()
+            new = new[:budget - len(out)]
+            for i, t in enumerate(new):
+                if t in stop_ids:
+                    new = new[:i + 1]
+                    break
+            out += new
+            if on_tokens:
+                on_tokens(new, "verify")
+        synchronize(self.device)
+        self.stats.decode_seconds += time.perf_counter() - start
+        self.stats.new_tokens += len(out)
+        self.stats.decode_tokens += len(out) - 1
+        return out
+
+    def step(self) -> list[int]:
+        """One full-cache pass: propose, verify, commit. Returns the newly committed tokens."""
+        stable = self.committed - 1
+        if self.proposer is None:
+            drafts, draft_probs = [], None
+        else:
+            drafts, draft_probs = self.proposer.propose(self.context, self.gamma, stable)
+        logits = self.full.run(self.context + drafts, len(drafts) + 1, stable)
+        accepted, nxt, _ = self.sampling.verify(drafts, draft_probs, logits)
+        if drafts:
+            lower = "draft" if self.mode == "speculative" else "middle"
+            self.stats.add_acceptance(f"{lower}->verify", len(drafts), accepted)
+        new = drafts[:accepted] + [nxt]
+        self.context += new
+        self.committed = len(self.context)
+        self.full.rollback(self.committed - 1)
+        if self.middle is not None:
+            self._update_middle(accepted, len(drafts))
+        return new
+
+    def _update_middle(self, accepted: int, proposed: int) -> None:
+        """Copy exact KV of committed tokens into the retrieval cache, or rebuild it."""
+        n = self.committed - 1
+        self._recent_acceptance = (self._recent_acceptance + [accepted / max(proposed, 1)])[-4:]
+        low = (self.cfg.rebuild_threshold > 0 and len(self._recent_acceptance) == 4
+               and sum(self._recent_acceptance) / 4 < self.cfg.rebuild_threshold)
+        cache = self.middle.cache
+        if low or n - cache.base > cache.room():
+            self._rebuild(query_index=accepted)  # the query of the last committed token
+            self._recent_acceptance = []
+        else:
+            cache.absorb(self.full.cache, n)
+            self.middle.tokens = self.context[:n]

@@ -1,0 +1,103 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2, SmolLM2) that attends through a cache object.
+
+Batch size is one sequence: tokens are (T,). q/k/v and gate/up are fused into single matmuls
+(fewer, larger kernels matter on CPU). Head counts are per-instance so tensor parallelism can
+shard them; `all_reduce` is identity here and replaced by the parallel runtime.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .caches import KVShape
+from .config import ModelConfig
+from .rope import Rotary, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, as the reference implementations do, then back to the model dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, (n_heads + 2 * n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, cache, layer: int):
+        T = x.shape[0]
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)
+        out = cache.attend(layer, q, k, v.view(T, self.n_kv_heads, self.head_dim))
+        return self.wo(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)  # gate, up
+        self.w2 = nn.Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)  # down
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_heads: int, n_kv_heads: int, intermediate: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = Attention(cfg, n_heads, n_kv_heads)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, intermediate)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, world_size: int = 1, max_len: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.world_size = world_size
+        n_heads, n_kv = cfg.num_heads // world_size, cfg.num_kv_heads // world_size
+        intermediate = cfg.intermediate_size // world_size
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, n_heads, n_kv, intermediate) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg, max_len)
+        self.all_reduce = lambda x: x  # the parallel runtime sums row-parallel partial outputs here
+
+    def kv_shape(self) -> KVShape:
+        p = self.embed.weight
+        return KVShape(self.cfg.num_layers, self.layers[0].attention.n_kv_heads, self.cfg.head_dim,
+                       p.dtype, p.device)
+
+    def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """tokens (T,) -> logits (T, vocab), or (1, vocab) for the last token only."""
+        T = tokens.shape[0]
+        positions = cache.begin(T)
+        x = self.embed(tokens)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, block in enumerate(self.layers):
+            x = x + self.all_reduce(block.attention(block.attention_norm(x), cos, sin, cache, i))
+            x = x + self.all_reduce(block.mlp(block.mlp_norm(x)))
+        cache.end(T)
+        if last_only:
+            x = x[-1:]
+        x = self.norm(x)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, head)
+        return logits if logits.dtype == torch.float64 else logits.float()

@@ -1,0 +1,130 @@
+"""Retrieval KV cache for the middle level: a fixed token budget of the most relevant KV chunks.
+
+Layout per layer and KV head: `budget` persistent slots, then a scratch area for the speculative
+tokens of the current round. Building it splits the full cache into chunks of `chunk_size`
+tokens, scores each chunk's mean key against the rotated query of the newest token, and keeps,
+per layer and KV head, the sink chunk, the most recent tokens and the top-scoring chunks.
+With grouped-query attention a chunk's score for a KV head is the attention mass its query heads
+would give it (softmax over chunks per query head, summed over the group).
+
+Tokens the top level accepts are copied in exactly (from the full cache) over the lowest-scoring
+slots. When no replaceable slot is left, or the engine sees acceptance drop, the cache is rebuilt.
+"""
+from __future__ import annotations
+
+import torch
+
+from .caches import FullCache, KVShape, SlotCache
+from .errors import UserError
+
+
+def check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
+    if budget <= 0 or chunk_size <= 0:
+        raise UserError(f"budget ({budget}) and chunk size ({chunk_size}) must be positive")
+    if budget % chunk_size:
+        raise UserError(f"budget {budget} is not a multiple of the chunk size {chunk_size}; "
+                        f"use --budget {max(chunk_size, budget - budget % chunk_size)}")
+    if budget < 3 * chunk_size:
+        raise UserError(f"budget {budget} is below three chunks of {chunk_size} (sink, recent, one "
+                        f"retrieved); raise --budget")
+    if budget >= prompt_len:
+        raise UserError(f"budget {budget} is not smaller than the prompt ({prompt_len} tokens), so "
+                        f"retrieval has nothing to choose; lower --budget or give a longer prompt")
+
+
+def chunk_scores(query: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """Estimated attention mass per (KV head, chunk).
+
+    query: (Hq, D) rotated query of the newest token; means: (Hkv, C, D) chunk-mean keys.
+    """
+    Hq, D = query.shape
+    Hkv = means.shape[0]
+    grouped = query.float().view(Hkv, Hq // Hkv, D)
+    logits = torch.matmul(grouped, means.float().transpose(1, 2)) * D ** -0.5  # (Hkv, rep, C)
+    return torch.softmax(logits, dim=-1).sum(dim=1)
+
+
+def plan_selection(n_tokens: int, budget: int, chunk: int, scores: torch.Tensor):
+    """Which token positions fill the budget, per KV head, and each slot's score.
+
+    scores: (Hkv, C) for the complete chunks. Returns (index (Hkv, budget) of token positions,
+    slot_scores (Hkv, budget), replaceable slots count). Sink chunk and the recent tail get +inf.
+    """
+    Hkv = scores.shape[0]
+    partial = n_tokens % chunk
+    recent = chunk + partial + (-partial) % chunk  # last full chunk, the partial one, and padding
+    picks = (budget - chunk - recent) // chunk
+    recent = budget - chunk - picks * chunk
+    tail_start = n_tokens - recent
+    candidates = tail_start // chunk - 1  # complete chunks strictly between the sink and the tail
+    top = torch.topk(scores[:, 1:1 + candidates], picks, dim=-1)
+    chosen = top.indices + 1  # (Hkv, picks) chunk ids
+    offsets = torch.arange(chunk, device=scores.device)
+    chunk_tokens = (chosen[:, :, None] * chunk + offsets).reshape(Hkv, picks * chunk)
+    sink = offsets.expand(Hkv, chunk)
+    tail = torch.arange(tail_start, n_tokens, device=scores.device).expand(Hkv, recent)
+    index = torch.cat((sink, chunk_tokens, tail), dim=1)
+    inf = torch.full((Hkv, chunk), float("inf"), device=scores.device)
+    slot_scores = torch.cat((inf, top.values.repeat_interleave(chunk, dim=1),
+                             torch.full((Hkv, recent), float("inf"), device=scores.device)), dim=1)
+    return index, slot_scores, picks * chunk
+
+
+class RetrievalCache(SlotCache):
+    def __init__(self, shape: KVShape, budget: int, chunk_size: int, scratch: int):
+        super().__init__(shape, budget + scratch)
+        self.budget, self.chunk = budget, chunk_size
+        self.max_feed = scratch
+        self.base = 0  # sequence tokens represented by the persistent slots
+        self.builds = 0
+        # per layer and KV head: persistent slots in the order they get replaced (lowest score first)
+        self.victims = torch.zeros(shape.num_layers, shape.num_kv_heads, budget, dtype=torch.long,
+                                   device=shape.device)
+        self.replaceable = 0
+        self.replaced = 0
+
+    def begin(self, T: int) -> torch.Tensor:
+        if self.used + T > self.capacity:
+            raise RuntimeError(f"retrieval scratch overflow: {self.used + T} > {self.capacity}")
+        return torch.arange(self.length, self.length + T, device=self.shape.device)
+
+    def rollback(self, length: int) -> None:
+        if length < self.base:
+            raise RuntimeError(f"cannot roll back below the committed base ({length} < {self.base})")
+        self.length = length
+        self.used = self.budget + (length - self.base)
+
+    def build(self, full: FullCache, n_tokens: int, queries: list[torch.Tensor]) -> None:
+        """Select from the first n_tokens of `full`, scoring with per-layer queries (Hq, D)."""
+        check_budget(self.budget, self.chunk, n_tokens)
+        n_chunks = n_tokens // self.chunk
+        for layer in range(self.shape.num_layers):
+            scores = chunk_scores(queries[layer], full.chunk_key_means(layer, self.chunk, n_chunks))
+            index, slot_scores, self.replaceable = plan_selection(n_tokens, self.budget, self.chunk, scores)
+            k, v = full.gather(layer, index.to(self.k.device))
+            self.k[layer, :, :self.budget] = k
+            self.v[layer, :, :self.budget] = v
+            self.victims[layer] = torch.argsort(slot_scores, dim=-1, stable=True)
+        self.base = self.length = n_tokens
+        self.used = self.budget
+        self.replaced = 0
+        self.builds += 1
+
+    def room(self) -> int:
+        """Committed tokens that can still be absorbed before a rebuild is needed."""
+        return self.replaceable - self.replaced
+
+    def absorb(self, full: FullCache, n_tokens: int) -> None:
+        """Copy the exact KV of newly committed tokens [base, n_tokens) over the lowest-scoring slots."""
+        new = n_tokens - self.base
+        if new > self.room():
+            raise RuntimeError("retrieval cache is out of room; rebuild instead")
+        if new > 0:
+            k, v = full.slice(self.base, n_tokens)  # (L, Hkv, new, D)
+            slots = self.victims[:, :, self.replaced:self.replaced + new]  # (L, Hkv, new)
+            idx = slots[..., None].expand(-1, -1, -1, self.shape.head_dim)
+            self.k[:, :, :self.budget].scatter_(2, idx, k.to(self.k.device))
+            self.v[:, :, :self.budget].scatter_(2, idx, v.to(self.v.device))
+            self.replaced += new
+        self.base = self.length = n_tokens
+        self.used = self.budget

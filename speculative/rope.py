@@ -1,0 +1,104 @@
+"""Rotary position embeddings with the scalings long-context checkpoints use.
+
+Supported `rope_type`s: default, linear (position interpolation), dynamic (NTK), yarn, llama3.
+Frequencies are fixed for a run: "dynamic" NTK is evaluated once at the run's maximum length,
+because a static KV cache holds keys rotated once; re-rotating them as the sequence grows would
+change the cached keys under the model's feet.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+from .errors import UserError
+
+
+def _yarn(inv_freq: torch.Tensor, base: float, dim: int, s: dict) -> tuple[torch.Tensor, float]:
+    factor = float(s["factor"])
+    original = int(s.get("original_max_position_embeddings") or 0)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations):  # the dimension whose wavelength makes `rotations` turns over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 for high frequencies (kept), 0 for low ones (interpolated)
+    inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low_f, high_f = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    original = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low_f, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_f) / (high_f - low_f)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high_f) & (wavelen <= original / low_f)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_frequencies(cfg: ModelConfig, max_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim/2, float32) and the factor applied to cos/sin (YaRN's mscale)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    s = dict(cfg.rope_scaling or {})
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "dynamic":  # NTK: a larger base, evaluated once at the run's longest sequence
+        seq_len = max(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        factor = float(s["factor"])
+        base = base * ((factor * seq_len / cfg.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(s["factor"]), 1.0
+    if kind == "yarn":
+        s.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+        return _yarn(inv_freq, base, dim, s)
+    if kind == "llama3":
+        return _llama3(inv_freq, s), 1.0
+    raise UserError(f"unsupported RoPE scaling '{kind}': use linear, dynamic, yarn or llama3")
+
+
+class Rotary:
+    """cos/sin for arbitrary positions, computed on the fly in float32 (no max-length table)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None):
+        self.inv_freq, self.scale = rope_frequencies(cfg, max_len)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+    def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """Rotate already-rotated vectors (T, H, D) by `delta` positions: a pure rotation, no mscale."""
+        freqs = torch.full((1,), float(delta), device=x.device)[:, None] * self.inv_freq.to(x.device)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return apply_rotary(x, angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos, sin: (T, D) or (1, D)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
