@@ -7,7 +7,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: thread wake-ups cost more than they save
 
 
 def hf_config(model_type="llama", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, inter=48,

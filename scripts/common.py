@@ -1,0 +1,203 @@
+"""What the command-line front ends share: flags, model loading, prompts, progress and errors."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "models" / "smollm2-135m"
+DEFAULT_PROMPT_FILE = ROOT / "speculative" / "data" / "pride_and_prejudice_ch1-9.txt"
+NATURAL_DRAFTERS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # target folder -> drafter folder beside it
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format checkpoint folder (default: %(default)s)")
+    g.add_argument("--draft", default=None, help="drafter folder, or 'self' for the target's own weights "
+                   "with a StreamingLLM cache (default: the model's natural drafter)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--rope-scaling", default="auto",
+                   help="auto (YaRN when the context exceeds trained positions), none, yarn:F or linear:F")
+    g.add_argument("--context", type=int, default=None, help="keep the last N tokens of the prompt")
+    g.add_argument("--offload", default="none", choices=["none", "host"],
+                   help="host: keep the full KV cache in (pinned) host memory, stream it per pass")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--mode", default="triforce", choices=["autoregressive", "speculative", "retrieval", "triforce"])
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--budget", type=int, default=None, help="retrieval cache tokens (default 1024)")
+    g.add_argument("--chunk-size", type=int, default=8)
+    g.add_argument("--gamma1", type=int, default=None, help="drafter tokens per middle pass")
+    g.add_argument("--gamma2", type=int, default=None, help="middle tokens per full-cache pass")
+    g.add_argument("--draft-window", type=int, default=256, help="StreamingLLM recent window of the drafter")
+    g.add_argument("--sinks", type=int, default=4, help="StreamingLLM attention-sink tokens")
+    g.add_argument("--rebuild-threshold", type=float, default=0.0,
+                   help="rebuild the retrieval cache when middle acceptance over 4 passes drops below this")
+    g.add_argument("--prefill-chunk", type=int, default=512)
+
+
+DEFAULT_BUDGET = 1024
+DEFAULT_GAMMAS = {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}
+
+
+def generation_config(args, prompt_len: int, console=None):
+    """GenerationConfig from flags. A default budget shrinks to fit a short prompt (said on stderr);
+    a budget the user chose is checked as given."""
+    from speculative import GenerationConfig
+
+    g1, g2 = DEFAULT_GAMMAS[args.mode]
+    budget = args.budget
+    if budget is None:
+        budget = DEFAULT_BUDGET
+        if args.mode in ("retrieval", "triforce") and budget >= prompt_len:
+            budget = max(3 * args.chunk_size, (prompt_len // 2) // args.chunk_size * args.chunk_size)
+            if console:
+                console.print(f"[yellow]note:[/] prompt has {prompt_len} tokens; retrieval budget set to {budget}")
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, budget=budget, chunk_size=args.chunk_size,
+        gamma1=args.gamma1 if args.gamma1 is not None else max(g1, 1),
+        gamma2=args.gamma2 if args.gamma2 is not None else max(g2, 1),
+        draft_window=args.draft_window, sink_tokens=args.sinks, rebuild_threshold=args.rebuild_threshold,
+        prefill_chunk=args.prefill_chunk)
+
+
+def resolve_draft(model: str, draft: str | None) -> str:
+    if draft is not None:
+        return draft
+    natural = NATURAL_DRAFTERS.get(Path(model).name)
+    if natural and (Path(model).parent / natural).is_dir():
+        return str(Path(model).parent / natural)
+    return "self"
+
+
+def resolve_rope(cfg, needed: int, spec: str, console=None):
+    """The model config with the RoPE scaling `spec` applied for a sequence of `needed` tokens."""
+    import math
+
+    from speculative import UserError
+
+    if spec == "none":
+        if needed > cfg.max_positions:
+            raise UserError(f"{needed} tokens exceed the model's {cfg.max_positions} positions and "
+                            f"--rope-scaling none refuses to extend; use --rope-scaling auto or a smaller --context")
+        return cfg
+    if spec == "auto":
+        if needed <= cfg.max_positions:
+            return cfg
+        factor = float(2 ** math.ceil(math.log2(needed / cfg.trained_positions)))  # smallest sufficient power of 2
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": cfg.trained_positions}
+        if console:
+            console.print(f"[yellow]note:[/] {needed} tokens exceed the {cfg.trained_positions} trained positions: "
+                          f"applying YaRN RoPE scaling x{factor:g} (--rope-scaling none refuses instead)")
+        return cfg.with_rope_scaling(scaling)
+    kind, _, value = spec.partition(":")
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = 0.0
+    if kind not in ("yarn", "linear") or factor < 1:
+        raise UserError(f"--rope-scaling '{spec}' not understood: use auto, none, yarn:F or linear:F with F >= 1")
+    scaling = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = cfg.trained_positions
+    scaled = cfg.with_rope_scaling(scaling)
+    if needed > scaled.max_positions:
+        raise UserError(f"{needed} tokens exceed the {scaled.max_positions} positions of {spec}; raise the factor")
+    return scaled
+
+
+def read_text(path: str | Path, what: str = "prompt file") -> str:
+    from speculative import UserError
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist; check the path")
+    data = path.read_bytes()
+    if not data.strip():
+        raise UserError(f"{what} {path} is empty; give it some text")
+    if b"\x00" in data[:65536]:
+        raise UserError(f"{what} {path} is binary, not text; give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+
+
+def pick_device(spec: str):
+    import torch
+
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        from speculative import UserError
+
+        raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    return spec
+
+
+def prefill_progress(console, total: int, label: str = "prefill"):
+    """A rich progress bar (tokens done / total, tokens/s, time left); returns (progress, advance)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    class Rate(TextColumn):
+        def render(self, task):
+            speed = task.finished_speed or task.speed
+            return TextColumn(f"{speed:,.0f} tok/s" if speed else "").render(task)
+
+    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), Rate(""),
+                        TimeRemainingColumn(), console=console, transient=False)
+    task = progress.add_task(label, total=total)
+    return progress, lambda n: progress.advance(task, n)
+
+
+def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
+    """Run a front end: user errors become one line on stderr, Ctrl-C a clean exit."""
+    from speculative import UserError
+
+    debug = "--debug" in (argv if argv is not None else sys.argv)
+    try:
+        return main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("error: out of memory; lower --context, --budget or use --dtype bfloat16", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug: one line unless --debug
+        if debug:
+            raise
+        print(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start
+
+
+__all__ = ["add_model_args", "add_engine_args", "generation_config", "resolve_draft", "resolve_rope",
+           "read_text", "pick_device", "prefill_progress", "run_cli", "replace"]

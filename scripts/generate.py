@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""The main job: generate from a (long) prompt with one of the four engines.
+
+    python scripts/generate.py                                  # embedded default: a book prefix, smollm2
+    python scripts/generate.py --prompt-file book.txt --context 16384 --max-new-tokens 256
+    python scripts/generate.py --mode autoregressive --json     # one JSON object on stdout
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.common import (DEFAULT_PROMPT_FILE, add_engine_args, add_model_args, generation_config,  # noqa: E402
+                            prefill_progress, read_text, run_cli)
+from scripts.session import open_session  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_engine_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="a text file (a whole book is fine); default: an embedded book prefix")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = p.parse_args(argv)
+    if args.prompt is None and args.prompt_file is None:
+        args.prompt_file = str(DEFAULT_PROMPT_FILE)
+        if args.context is None:
+            args.context = 4096
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    session = open_session(args, text)
+    console, out = session.console, session.stdout
+    ids = session.prompt_ids
+    cfg = generation_config(args, len(ids), console)
+    gen = session.generator(cfg, max_len=len(ids) + args.max_new_tokens)
+
+    progress, advance = prefill_progress(console, len(ids))
+    with progress if session.is_main else _null():
+        gen.prefill(ids, progress=advance if session.is_main else None)
+
+    tokenizer = session.tokenizer
+    generated: list[int] = []
+    shown = 0
+
+    def stream(new_tokens, _level):
+        nonlocal shown
+        generated.extend(new_tokens)
+        if args.json or not session.is_main:
+            return
+        text_so_far = tokenizer.decode(generated, skip_special_tokens=True)
+        if text_so_far.endswith("\ufffd"):  # a multi-byte character still incomplete
+            return
+        out.write(text_so_far[shown:])
+        out.flush()
+        shown = len(text_so_far)
+
+    tokens = gen.generate(on_tokens=stream)
+    stats = gen.stats
+    if not session.is_main:
+        return 0
+    text_out = tokenizer.decode(tokens, skip_special_tokens=True)
+    if args.json:
+        out.write(json.dumps(session.report(args, cfg, tokens, text_out, stats)) + "\n")
+    else:
+        out.write(text_out[shown:] + "\n")
+        session.print_stats(args, cfg, stats)
+    session.close()
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,161 @@
+"""Opening a generation session from command-line flags: device, parallelism, RoPE, models, caches.
+
+Shared by generate.py, chat.py and bench.py so every front end validates and loads the same way.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from scripts.common import pick_device, resolve_draft, resolve_rope
+from speculative import Generator, ModelConfig, UserError
+from speculative.api import load, resolve_dtype
+from speculative.loader import load_tokenizer
+
+AUTO_ROPE_MAX_FACTOR = 32
+
+
+def host_available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Session:
+    def __init__(self, args, text: str | None):
+        self.args = args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.dist = _setup_parallel(args)
+        self.is_main = self.dist is None or self.dist.rank == 0
+        self.console = Console(stderr=True, quiet=not self.is_main)
+        self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
+        self.device = self.dist.device if self.dist else pick_device(args.device)
+        self.dtype = resolve_dtype(args.dtype)
+        self.draft = resolve_draft(args.model, args.draft)
+        base_cfg = ModelConfig.from_folder(args.model)
+        self.tokenizer = load_tokenizer(args.model)
+        self.prompt_ids = self.encode(text) if text is not None else []
+        needed = len(self.prompt_ids) + args.max_new_tokens
+        limit = base_cfg.trained_positions * (AUTO_ROPE_MAX_FACTOR if args.rope_scaling == "auto" else 1)
+        if args.context and args.context + args.max_new_tokens > max(limit, base_cfg.max_positions):
+            raise UserError(f"--context {args.context} plus {args.max_new_tokens} new tokens exceeds the "
+                            f"{max(limit, base_cfg.max_positions)} positions this model supports; lower --context")
+        self.config = resolve_rope(base_cfg, needed, args.rope_scaling, self.console)
+        self._check_host_memory(needed)
+        with self.console.status(f"loading {args.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
+            self.loaded = load(args.model, self.draft, self.dtype, self.device, target_config=self.config,
+                               max_len=needed, rank=self.dist.rank if self.dist else 0,
+                               world_size=self.dist.world_size if self.dist else 1)
+        if self.dist:
+            self.dist.attach(self.loaded.models.target)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise UserError("the prompt encodes to no tokens; give some text")
+        context = self.args.context
+        if context is not None:
+            if context <= 0:
+                raise UserError(f"--context must be positive (got {context})")
+            ids = ids[-context:]
+        return ids
+
+    def _check_host_memory(self, tokens: int) -> None:
+        """Refuse, before allocating, a request whose weights and caches cannot fit in host memory."""
+        if self.device != "cpu":
+            return  # the device planner (offload) checks GPU memory
+        cfg = self.config
+        elem = torch.finfo(self.dtype).bits // 8
+        params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
+            cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size)
+        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * tokens
+        need = params * elem * (1 if self.draft == "self" else 1.5) + kv
+        available = host_available_bytes()
+        if available is not None and need > available:
+            raise UserError(f"this run needs about {need / 2**30:.1f} GiB of memory (weights + KV cache for "
+                            f"{tokens} tokens) but {available / 2**30:.1f} GiB are available; lower --context or use "
+                            f"--dtype bfloat16")
+
+    def generator(self, cfg, max_len: int) -> Generator:
+        factory = None
+        if self.args.offload == "host":
+            from offload import full_cache_factory
+
+            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk)
+        return Generator(self.loaded.models, cfg, self.args.mode, max_len=max_len, full_cache_factory=factory)
+
+    def report(self, args, cfg, tokens, text, stats) -> dict:
+        d = stats.to_dict()
+        acc = d["acceptance"]
+        return {
+            "mode": args.mode, "model": args.model, "draft": None if args.mode in ("autoregressive", "retrieval") else self.draft,
+            "prompt_tokens": stats.prompt_tokens, "new_tokens": len(tokens), "tokens": tokens, "text": text,
+            "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
+            "tokens_per_second": stats.tokens_per_second,
+            "acceptance": {"draft": acc.get("draft->middle", acc.get("draft->verify")),
+                           "middle": acc.get("middle->verify")},
+            "tokens_per_full_pass": stats.tokens_per_full_pass, "full_passes": stats.full_passes,
+            "bytes_moved": stats.bytes_moved,
+            "passes": d["passes"], "seconds": d["seconds"], "rebuilds": stats.rebuilds,
+            "settings": {"dtype": args.dtype, "device": str(self.device), "threads": torch.get_num_threads(),
+                         "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,
+                         "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
+                         "rope_scaling": self.config.rope_scaling, "tp": self.dist.world_size if self.dist else 1,
+                         "offload": args.offload},
+        }
+
+    def print_stats(self, args, cfg, stats) -> None:
+        print_stats_table(Console(file=self.stdout), args.mode, stats)
+
+    def close(self) -> None:
+        if self.dist:
+            self.dist.close()
+
+
+def print_stats_table(console: Console, mode: str, stats) -> None:
+    d = stats.to_dict()
+    table = Table(title=f"{mode}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    rows = [("prefill", f"{stats.prefill_seconds:.2f} s"), ("decode", f"{stats.decode_seconds:.2f} s"),
+            ("decode tokens/s", _fmt(stats.tokens_per_second)),
+            ("tokens per full-cache pass", _fmt(stats.tokens_per_full_pass)), ("full-cache passes", str(stats.full_passes))]
+    for key, value in d["acceptance"].items():
+        rows.append((f"acceptance {key}", _fmt(value, 3)))
+    for level in ("draft", "middle", "verify"):
+        if d["passes"][level]:
+            rows.append((f"{level} passes / time", f"{d['passes'][level]} / {d['seconds'][level]:.2f} s"))
+    if stats.rebuilds:
+        rows.append(("retrieval cache builds", str(stats.rebuilds)))
+    if stats.bytes_moved is not None:
+        rows.append(("bytes moved per token", f"{stats.bytes_moved / max(stats.new_tokens, 1) / 2**20:.1f} MiB"))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+
+
+def _fmt(x, digits=2):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _setup_parallel(args):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp == 1 and world == 1:
+        return None
+    from parallel import setup_tensor_parallel
+
+    return setup_tensor_parallel(args.tp, args.device)
+
+
+def open_session(args, text: str | None) -> Session:
+    return Session(args, text)

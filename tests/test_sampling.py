@@ -1,0 +1,107 @@
+"""Sampled output has exactly the target's distribution, checked against enumeration.
+
+Vocabulary of 8 tokens: the exact joint distribution of the 2nd and 3rd generated tokens (the
+first ones that speculation produces) is computed by running the target on every prefix. Each
+engine then samples it a few thousand times with different seeds, and a chi-square test at a
+fixed seed must accept it. The same test with a deliberately wrong residual (resampling from the
+target instead of norm(max(0, p - q))) must reject, so the test is known to have teeth.
+"""
+import math
+
+import pytest
+import torch
+
+import speculative.sampling as sampling
+from speculative import GenerationConfig, Generator, Models
+from speculative.caches import FullCache
+from speculative.loader import load_model
+from speculative.sampling import Sampler
+
+from .conftest import save_tiny
+
+VOCAB = 8
+SAMPLES = 3000
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    t, d = tmp_path_factory.mktemp("t"), tmp_path_factory.mktemp("d")
+    save_tiny(t, seed=21, vocab=VOCAB, hidden=16, layers=1, heads=2, kv_heads=1, inter=24)
+    save_tiny(d, seed=22, vocab=VOCAB, hidden=16, layers=1, heads=2, kv_heads=1, inter=24)
+    return load_model(t, torch.float64), load_model(d, torch.float64)
+
+
+PROMPT = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+SETTINGS = dict(max_new_tokens=3, temperature=0.3, budget=16, chunk_size=4, gamma1=2, gamma2=3,
+                draft_window=8, sink_tokens=2)
+
+
+def exact_joint(target, sampler: Sampler) -> torch.Tensor:
+    """P(t2, t3) as a (V, V) table, summing over t1, by running the target on every prefix."""
+    def next_dist(seq):
+        logits = target(torch.tensor(seq), FullCache(target.kv_shape(), len(seq)), last_only=True)
+        return sampler.probs(logits)[0]
+
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p1 = next_dist(PROMPT)
+    for t1 in range(VOCAB):
+        p2 = next_dist(PROMPT + [t1])
+        for t2 in range(VOCAB):
+            joint[t2] += p1[t1] * p2[t2] * next_dist(PROMPT + [t1, t2])
+    return joint
+
+
+def sample_joint(models: Models, mode: str, cfg: dict) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for seed in range(SAMPLES):
+        gen = Generator(models, GenerationConfig(**cfg, seed=seed), mode, max_len=len(PROMPT) + 8)
+        gen.prefill(PROMPT)
+        tokens = gen.generate()
+        counts[tokens[1], tokens[2]] += 1
+    return counts
+
+
+def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, alpha_z: float = 3.72) -> tuple[bool, float, float]:
+    """Pearson chi-square with cells of expected count < 5 pooled; Wilson-Hilferty critical value
+    at z = 3.72 (one-sided p = 1e-4). Returns (rejects, statistic, critical value)."""
+    expected = probs.flatten() * counts.sum()
+    observed = counts.flatten()
+    small = expected < 5
+    exp_cells = torch.cat((expected[~small], expected[small].sum()[None]))
+    obs_cells = torch.cat((observed[~small], observed[small].sum()[None]))
+    keep = exp_cells > 0
+    stat = float(((obs_cells[keep] - exp_cells[keep]) ** 2 / exp_cells[keep]).sum())
+    k = int(keep.sum()) - 1
+    critical = k * (1 - 2 / (9 * k) + alpha_z * math.sqrt(2 / (9 * k))) ** 3
+    return stat > critical, stat, critical
+
+
+CASES = [("speculative", True, {}), ("retrieval", False, {}), ("triforce", True, {}),
+         ("triforce", False, {}), ("triforce", True, {"top_k": 5, "top_p": 0.8})]
+
+
+@pytest.mark.parametrize("mode,use_drafter,extra", CASES)
+def test_distribution_is_exact(models, mode, use_drafter, extra):
+    target, drafter = models
+    cfg = {**SETTINGS, **extra}
+    sampler = Sampler(cfg["temperature"], cfg.get("top_p", 1.0), cfg.get("top_k", 0))
+    exact = exact_joint(target, sampler)
+    counts = sample_joint(Models(target, drafter if use_drafter else None), mode, cfg)
+    rejects, stat, critical = chi_square_rejects(counts, exact)
+    assert not rejects, f"chi-square {stat:.1f} > {critical:.1f}: {mode} does not sample the target's distribution"
+
+
+def wrong_residual(p, q):
+    return p  # the reference implementation's mistake: resample from the target, not the residual
+
+
+@pytest.mark.parametrize("mode", ["speculative", "triforce"])
+def test_wrong_residual_is_caught(models, monkeypatch, mode):
+    target, drafter = models
+    original = sampling.verify_sampled
+    monkeypatch.setattr("speculative.engine.verify_sampled",
+                        lambda *a, **k: original(*a, **k, residual=wrong_residual))
+    exact = exact_joint(target, Sampler(SETTINGS["temperature"]))
+    counts = sample_joint(Models(target, drafter), mode, SETTINGS)
+    rejects, stat, critical = chi_square_rejects(counts, exact)
+    assert rejects, f"a wrong residual went unnoticed (chi-square {stat:.1f} <= {critical:.1f})"
