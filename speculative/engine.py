@@ -196,28 +196,48 @@ class Generator:
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompt: list[int], progress: Callable | None = None) -> int:
         """Process the prompt; returns the first generated token (sampled from the target)."""
-        if not prompt:
+        if self.context:
+            raise RuntimeError("prefill() starts a session; use extend() to add turns")
+        return self.extend(prompt, progress)
+
+    def extend(self, tokens: list[int], progress: Callable | None = None) -> int:
+        """Append tokens after the context (a prompt, or a chat turn after an answer) without
+        re-processing what is cached; returns the next token, sampled from the target."""
+        if not tokens:
             raise UserError("the prompt is empty; give some text")
-        if len(prompt) + self.cfg.max_new_tokens > self.max_len:
-            raise UserError(f"prompt ({len(prompt)} tokens) plus {self.cfg.max_new_tokens} new tokens exceeds "
+        total = len(self.context) + len(tokens)
+        if total + self.cfg.max_new_tokens > self.max_len:
+            raise UserError(f"prompt ({total} tokens) plus {self.cfg.max_new_tokens} new tokens exceeds "
                             f"the context of {self.max_len}; shorten the prompt (--context) or lower --max-new-tokens")
         if self.middle is not None:
-            check_budget(self.cfg.budget, self.cfg.chunk_size, len(prompt))
+            check_budget(self.cfg.budget, self.cfg.chunk_size, total)
         start = time.perf_counter()
         self.stats.phase = "prefill"
-        logits = self.full.run(prompt, 1, 0, progress)
-        first, _ = self.sampling.pick(logits)
-        self.context = list(prompt) + first
-        self.committed = len(self.context)
-        if self.middle is not None:
-            self._rebuild(query_index=-1)
-        if self.drafter is not None:
-            self._prefill_drafter(prompt)
-        synchronize(self.device)
-        self.stats.phase = "decode"
+        first_prompt = not self.context
+        self.context = self.context + list(tokens)
+        try:
+            logits = self.full.run(self.context, 1, self.committed, progress)
+            first, _ = self.sampling.pick(logits)
+            self.context.append(first[0])
+            self.committed = len(self.context)
+            if self.middle is not None:
+                self._rebuild(query_index=-1)  # score chunks with the newest token's query
+            if self.drafter is not None and first_prompt:
+                self._prefill_drafter(self.context[:-1])
+        finally:
+            synchronize(self.device)
+            self.stats.phase = "decode"
         self.stats.prefill_seconds += time.perf_counter() - start
-        self.stats.prompt_tokens += len(prompt)
+        self.stats.prompt_tokens += len(tokens)
         return first[0]
+
+    def reset_stats(self) -> Stats:
+        """Fresh statistics (e.g. per chat answer); returns the old ones."""
+        old, self.stats = self.stats, Stats()
+        for level in (self.full, self.middle, self.drafter):
+            if level is not None:
+                level.stats = self.stats
+        return old
 
     def _prefill_drafter(self, prompt: list[int]) -> None:
         """StreamingLLM state after a prompt: the sinks and the last window tokens, nothing between.
