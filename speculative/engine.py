@@ -124,6 +124,7 @@ class AutoregressiveProposer:
             picked, probs = self.sampling.pick(logits)
             tokens.append(picked[0])
             dists.append(None if probs is None else probs[0])
+        self.origins = [self.level.name] * n  # the level that produced each token (for display)
         return tokens, None if dists[0] is None else torch.stack(dists)
 
 
@@ -135,16 +136,29 @@ class SpeculativeProposer:
         self.level, self.lower, self.gamma, self.sampling, self.key = level, lower, gamma, sampling, stats_key
 
     def propose(self, context: list[int], n: int, stable: int):
-        tokens, dists = [], []
+        tokens, dists, origins = [], [], []
         while len(tokens) < n:
             drafts, draft_probs = self.lower.propose(context + tokens, min(self.gamma, n - len(tokens)), stable)
             logits = self.level.run(context + tokens + drafts, len(drafts) + 1, stable)
             accepted, nxt, probs = self.sampling.verify(drafts, draft_probs, logits)
             self.level.stats.add_acceptance(self.key, len(drafts), accepted)
             tokens += drafts[:accepted] + [nxt]
+            origins += self.lower.origins[:accepted] + [self.level.name]
             if probs is not None:
                 dists += list(probs[:accepted + 1])
+        self.origins = origins[:n]
         return tokens[:n], torch.stack(dists[:n]) if dists else None
+
+
+@dataclass
+class Prefilled:
+    """A processed prompt that several generators (one at a time) can decode from."""
+
+    cache: object
+    prompt: list[int]
+    first: int
+    queries: list[torch.Tensor]
+    prefill_seconds: float
 
 
 @dataclass
@@ -157,7 +171,7 @@ class Generator:
     """A stateful generation session: prefill once, then generate (and extend, for chat)."""
 
     def __init__(self, models: Models, cfg: GenerationConfig, mode: str, max_len: int,
-                 full_cache_factory: Callable | None = None):
+                 full_cache_factory: Callable | None = None, prefilled: "Prefilled | None" = None):
         if mode not in MODES:
             raise UserError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
         self.models, self.cfg, self.mode, self.max_len = models, cfg, mode, max_len
@@ -167,7 +181,8 @@ class Generator:
         self.sampling = Sampling(cfg, self.device)
         margin = cfg.gamma1 + cfg.gamma2 + 2
         make_full = full_cache_factory or (lambda shape, n: FullCache(shape, n, cfg.prefill_chunk))
-        self.full = Level("verify", target, make_full(target.kv_shape(), max_len + margin), self.stats)
+        full_cache = prefilled.cache if prefilled else make_full(target.kv_shape(), max_len + margin)
+        self.full = Level("verify", target, full_cache, self.stats)
         self.middle = self.drafter = None
         if mode in ("retrieval", "triforce"):
             cache = RetrievalCache(target.kv_shape(), cfg.budget, cfg.chunk_size, scratch=margin + 1)
@@ -181,6 +196,30 @@ class Generator:
         self.context: list[int] = []
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
         self._recent_acceptance: list[float] = []
+        if prefilled:
+            self._adopt(prefilled)
+
+    # ------------------------------------------------------------------ shared prefill
+    def snapshot(self) -> "Prefilled":
+        """What another generator needs to start from this one's prefill (right after prefill()):
+        the full cache (its prompt part stays valid: decoding only writes after it) and the last
+        prompt token's queries, which score the retrieval chunks."""
+        prompt = self.context[:-1]
+        queries = [q[-1:].clone() for q in self.full.cache.queries]
+        return Prefilled(self.full.cache, prompt, self.context[-1], queries, self.stats.prefill_seconds)
+
+    def _adopt(self, pre: "Prefilled") -> None:
+        pre.cache.rollback(len(pre.prompt))
+        pre.cache.queries = list(pre.queries)
+        self.full.tokens = list(pre.prompt)
+        self.context = pre.prompt + [pre.first]
+        self.committed = len(self.context)
+        self.stats.prompt_tokens = len(pre.prompt)
+        if self.middle is not None:
+            check_budget(self.cfg.budget, self.cfg.chunk_size, len(pre.prompt))
+            self._rebuild(query_index=-1)
+        if self.drafter is not None:
+            self._prefill_drafter(pre.prompt)
 
     def _compose(self):
         cfg, s = self.cfg, self.sampling
@@ -253,6 +292,35 @@ class Generator:
         cache.length = len(prompt)  # the sequence the slots stand for
         level.tokens = list(prompt)
 
+    def truncate(self, length: int) -> None:
+        """Forget context[length:] and make context[:length] the committed state, as if generation had
+        stopped there (chat: tokens generated past a stop token, an interrupted answer or turn).
+
+        The full and draft levels keep what they share with the shorter context and resync lazily
+        (Level.run); the retrieval cache cannot roll back below its base, so it is rebuilt."""
+        if not 0 < length <= len(self.context):
+            raise ValueError(f"cannot truncate a context of {len(self.context)} tokens to {length}")
+        stable = min(length, self.committed) - 1  # below this every level agrees with the context
+        held = self.full.common_prefix(self.context[:length], stable)
+        if held < length - 1:  # e.g. a turn extend() did not finish: only its start can be kept
+            raise ValueError(f"the full cache holds {held} of the {length - 1} tokens to keep")
+        del self.context[length:]
+        self.committed = length
+        self.full.rollback(held)
+        if self.drafter is not None:
+            try:
+                self.drafter.rollback(self.drafter.common_prefix(self.context, stable))
+            except RuntimeError:  # further back than the StreamingLLM window: start it again
+                self._restart_drafter(self.context[:-1])
+        if self.middle is not None:
+            self._rebuild(query_index=-1)
+
+    def _restart_drafter(self, prompt: list[int]) -> None:
+        """Empty the drafter's StreamingLLM cache and prefill it cheaply for `prompt`."""
+        self.drafter.cache.used = self.drafter.cache.length = 0
+        self.drafter.tokens = []
+        self._prefill_drafter(prompt)
+
     def _rebuild(self, query_index: int) -> None:
         n = self.committed - 1
         queries = [q[query_index] for q in self.full.cache.queries]
@@ -266,8 +334,9 @@ class Generator:
         """Generate after prefill; the first token (from prefill) counts. Returns new tokens."""
         budget = max_new_tokens or self.cfg.max_new_tokens
         out = [self.context[-1]]
-        if on_tokens:
-            on_tokens([self.context[-1]], "verify")
+        if on_tokens:  # on_tokens(tokens, levels): levels[i] names the level that produced tokens[i]
+            on_tokens([self.context[-1]], [self.full.name])
+        moved = getattr(self.full.cache, "bytes_moved", None)  # offloaded caches count their copies
         start = time.perf_counter()
         while len(out) < budget and out[-1] not in stop_ids:
             new = self.step()
@@ -278,9 +347,11 @@ class Generator:
                     break
             out += new
             if on_tokens:
-                on_tokens(new, "verify")
+                on_tokens(new, self.origins[:len(new)])
         synchronize(self.device)
         self.stats.decode_seconds += time.perf_counter() - start
+        if moved is not None:  # decode bytes only: prefill's copies are left out
+            self.stats.bytes_moved = (self.stats.bytes_moved or 0) + self.full.cache.bytes_moved - moved
         self.stats.new_tokens += len(out)
         self.stats.decode_tokens += len(out) - 1
         return out
@@ -298,6 +369,7 @@ class Generator:
             lower = "draft" if self.mode == "speculative" else "middle"
             self.stats.add_acceptance(f"{lower}->verify", len(drafts), accepted)
         new = drafts[:accepted] + [nxt]
+        self.origins = (self.proposer.origins[:accepted] if drafts else []) + [self.full.name]
         self.context += new
         self.committed = len(self.context)
         self.full.rollback(self.committed - 1)
