@@ -102,7 +102,7 @@ def resolve_rope(cfg, needed: int, spec: str, console=None):
     if spec == "auto":
         if needed <= cfg.max_positions:
             return cfg
-        factor = float(2 ** math.ceil(math.log2(needed / cfg.trained_positions)))  # smallest sufficient power of 2
+        factor = math.ceil(needed / cfg.trained_positions * 4) / 4  # smallest sufficient, in steps of 0.25
         scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": cfg.trained_positions}
         if console:
             console.print(f"[yellow]note:[/] {needed} tokens exceed the {cfg.trained_positions} trained positions: "

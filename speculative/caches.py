@@ -149,8 +149,9 @@ class StreamingCache(SlotCache):
 
     def rollback(self, length: int) -> None:
         drop = self.length - length
-        if drop < 0 or drop > self.used - self.sinks:
-            raise RuntimeError(f"streaming cache cannot roll back {drop} tokens (window {self.used - self.sinks})")
+        floor = self.sinks if self.evictions else 0  # before any eviction slots map 1:1 to tokens
+        if drop < 0 or drop > self.used - floor:
+            raise RuntimeError(f"streaming cache cannot roll back {drop} tokens (window {self.used - floor})")
         self.used -= drop
         self.length = length
 
