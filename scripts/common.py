@@ -172,6 +172,13 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
     """Run a front end: user errors become one line on stderr, Ctrl-C a clean exit."""
     from speculative import UserError
 
+    import signal
+
+    def terminate(signum, frame):  # SIGTERM ends the run like Ctrl-C: cleanly, with a message
+        raise KeyboardInterrupt
+
+    if threading_main():
+        signal.signal(signal.SIGTERM, terminate)
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
         return main(argv)
@@ -189,6 +196,12 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
             raise
         print(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 class Timer:

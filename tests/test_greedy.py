@@ -53,3 +53,19 @@ def test_rebuild_on_low_acceptance(pair):
     lazy = generate_ids(Models(target, drafter), ids, "triforce", GenerationConfig(**base))
     assert eager.tokens == lazy.tokens == reference.tokens
     assert eager.stats.rebuilds > lazy.stats.rebuilds
+
+
+def test_long_generation_stays_lossless(pair):
+    """2,000 new tokens: the retrieval cache is absorbed into, runs out of room and is rebuilt many
+    times, and the StreamingLLM window wraps many times; tokens stay autoregressive-identical."""
+    target, drafter = pair
+    ids = prompt(300, 9)
+    cfg = GenerationConfig(max_new_tokens=2000, budget=64, chunk_size=8, gamma1=3, gamma2=5,
+                           draft_window=32, sink_tokens=4)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    from speculative import Generator
+
+    gen = Generator(Models(target, drafter), cfg, "triforce", max_len=2300)
+    gen.prefill(ids)
+    assert gen.generate() == reference.tokens
+    assert gen.stats.rebuilds > 20 and gen.drafter.cache.evictions > 20
