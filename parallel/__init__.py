@@ -1,0 +1,8 @@
+"""Tensor parallelism: process groups over torch.distributed (NCCL on GPUs, gloo on CPU).
+
+Sharded loading lives in speculative/loader.py (each rank reads its slices from safetensors);
+this package joins the group torchrun started and installs the all-reduce into the model.
+"""
+from .dist import TensorParallel, setup_tensor_parallel
+
+__all__ = ["TensorParallel", "setup_tensor_parallel"]

@@ -1,0 +1,327 @@
+"""Tensor parallelism on CPU: two gloo processes against one process, on tiny random models.
+
+One two-process job (spawned once per module, logits compared across ranks at every forward)
+computes logits, parameter shapes, retrieval selections and tokens; the tests compare them with
+one process. The failure tests run scripts/generate.py workers under torchrun's environment (or
+through scripts/launch_tp.sh) and kill or stop one of them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from parallel import setup_tensor_parallel
+from speculative import GenerationConfig, Generator, Models, UserError
+from speculative.caches import FullCache
+from speculative.loader import load_model
+
+from .conftest import save_tiny, save_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+TIMEOUT_S = 10.0  # collective timeout in the failure tests: short, so a hang is found quickly
+LOGIT_MODELS = {  # name -> save_tiny arguments: GQA, q/k/v biases (qwen2), o_proj bias (row-parallel)
+    "llama-gqa": dict(seed=3, heads=4, kv_heads=2),
+    "qwen2-bias": dict(seed=4, model_type="qwen2", heads=4, kv_heads=2),
+    "llama-o-bias": dict(seed=5, heads=4, kv_heads=4, attention_bias=True),
+}
+GEN_MODEL = "qwen2-bias"
+ENGINES = [("autoregressive", False), ("speculative", True), ("retrieval", False), ("triforce", True),
+           ("triforce", False)]  # (mode, separate drafter; False = the target's own weights)
+GREEDY = GenerationConfig(max_new_tokens=32, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                          sink_tokens=4, prefill_chunk=48)
+SAMPLED = replace(GREEDY, temperature=0.8, top_p=0.9, seed=7)
+
+
+def offload_factory():
+    """offload.full_cache_factory, or None while the offload package does not provide it."""
+    try:
+        from offload import full_cache_factory
+    except ImportError:
+        return None
+    return full_cache_factory
+
+
+OFFLOAD = [False, True] if offload_factory() else [False]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---------------------------------------------------------------------------------------- the work
+def logits_of(folder: Path, rank: int, world: int, dist=None) -> dict:
+    """float32 logits of a prefill (SDPA path), a short piece and decode steps (grouped path)."""
+    model = load_model(folder, torch.float32, rank=rank, world_size=world)
+    if dist is not None:
+        dist.attach(model)
+    cache = FullCache(model.kv_shape(), 128, prefill_chunk=64)
+    ids = tokens(70, seed=1)
+    out = [model(torch.tensor(ids[:40]), cache), model(torch.tensor(ids[40:67]), cache)]
+    out += [model(torch.tensor([t]), cache) for t in ids[67:]]
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {"logits": torch.cat(out), "shapes": shapes, "kv_heads": model.kv_shape().num_kv_heads,
+            "cache_heads": cache.k.shape[1]}
+
+
+def models_for(folder: Path, rank: int, world: int, dist=None) -> tuple:
+    """float64 target (this rank's shard) and a replicated drafter: the target plus seeded noise."""
+    target = load_model(folder, torch.float64, rank=rank, world_size=world)
+    if dist is not None:
+        dist.attach(target)
+    drafter = load_model(folder, torch.float64)  # world_size 1: every rank holds all of it
+    noise = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.02 * torch.randn(p.shape, dtype=p.dtype, generator=noise))
+    return target, drafter
+
+
+def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfig, offload: bool) -> dict:
+    ids = tokens(96, seed=2)
+    factory = offload_factory()(device="cpu", prefill_chunk=cfg.prefill_chunk) if offload else None
+    gen = Generator(Models(target, drafter if use_drafter else None), cfg, mode, len(ids) + cfg.max_new_tokens,
+                    full_cache_factory=factory)
+    gen.prefill(ids)
+    out = {}
+    if gen.middle is not None:  # the retrieval selection right after prefill, per (local) KV head
+        cache = gen.middle.cache
+        out["retrieval_k"] = cache.k[:, :, :cache.budget].clone()
+        out["victims"] = cache.victims.clone()
+    out["heads"] = {level.name: level.cache.k.shape[1] for level in (gen.full, gen.middle, gen.drafter)
+                    if level is not None and hasattr(level.cache, "k")}  # the offloaded store lays out differently
+    out["tokens"] = gen.generate()
+    return out
+
+
+def compute(folders: dict, rank: int, world: int, dist=None) -> dict:
+    results = {"logits": {name: logits_of(folders[name], rank, world, dist) for name in LOGIT_MODELS}}
+    target, drafter = models_for(folders[GEN_MODEL], rank, world, dist)
+    results["greedy"] = {(mode, d, off): generate(target, drafter, mode, d, GREEDY, off)
+                         for mode, d in ENGINES for off in OFFLOAD}
+    results["sampled"] = {(mode, d): generate(target, drafter, mode, d, SAMPLED, False)["tokens"]
+                          for mode, d in ENGINES}
+    return results
+
+
+def _worker(rank: int, folders: dict, port: int, out: Path) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist = setup_tensor_parallel(WORLD, "cpu", timeout=60, check=True)  # check: logits compared every forward
+    try:
+        results = compute(folders, dist.rank, dist.world_size, dist)
+        dist.check_consistent(torch.arange(5.0))
+        try:
+            dist.check_consistent(torch.arange(5.0) * (rank + 1))
+            results["mismatch"] = None
+        except UserError as e:
+            results["mismatch"] = str(e)
+        torch.save(results, out / f"rank{rank}.pt")
+    finally:
+        dist.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tp-models")
+    made = {}
+    for name, kw in LOGIT_MODELS.items():
+        save_tiny(base / name, vocab=64, **kw)
+        made[name] = base / name
+    return made
+
+
+@pytest.fixture(scope="module")
+def runs(folders, tmp_path_factory):
+    """{1: results of one process, 2: [results of rank 0, rank 1]}."""
+    out = tmp_path_factory.mktemp("tp-results")
+    mp.spawn(_worker, args=(folders, free_port(), out), nprocs=WORLD, join=True)
+    return {1: compute(folders, 0, 1), 2: [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]}
+
+
+# ---------------------------------------------------------------------------------------- equality
+@pytest.mark.parametrize("name", list(LOGIT_MODELS))
+def test_logits_match_single_process(runs, name):
+    one = runs[1]["logits"][name]
+    ranks = [r["logits"][name] for r in runs[2]]
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # all-reduced: bit-identical on every rank
+    torch.testing.assert_close(ranks[0]["logits"], one["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(LOGIT_MODELS))
+def test_each_rank_holds_only_its_shard(runs, name):
+    full = runs[1]["logits"][name]
+    for r in runs[2]:
+        local = r["logits"][name]
+        assert local["kv_heads"] == local["cache_heads"] == full["kv_heads"] // WORLD
+        for param, shape in full["shapes"].items():
+            got = local["shapes"][param]
+            if param.endswith(("wqkv.weight", "wqkv.bias", "w13.weight", "w13.bias")):
+                assert got == (shape[0] // WORLD, *shape[1:]), param  # column parallel
+            elif param.endswith(("wo.weight", "w2.weight")):
+                assert got == (shape[0], shape[1] // WORLD), param  # row parallel
+            else:
+                assert got == shape, param  # norms, biases of row-parallel layers, embeddings: replicated
+
+
+@pytest.mark.parametrize("offload", OFFLOAD, ids=lambda o: "offload" if o else "on-chip")
+@pytest.mark.parametrize("mode,use_drafter", ENGINES, ids=lambda x: str(x))
+def test_greedy_tokens_match(runs, mode, use_drafter, offload):
+    one = runs[1]["greedy"][(mode, use_drafter, offload)]
+    ranks = [r["greedy"][(mode, use_drafter, offload)] for r in runs[2]]
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == one["tokens"]
+    assert len(one["tokens"]) == GREEDY.max_new_tokens
+    for level, heads in one["heads"].items():  # caches of the target hold only the local KV heads
+        local = heads if (level == "draft" and use_drafter) else heads // WORLD  # a separate drafter is replicated
+        assert all(r["heads"][level] == local for r in ranks), (level, heads, [r["heads"] for r in ranks])
+
+
+def test_offload_available():
+    if offload_factory() is None:
+        pytest.skip("offload.full_cache_factory does not exist yet: the offloaded parametrisation of "
+                    "test_greedy_tokens_match did not run")
+
+
+@pytest.mark.parametrize("mode", ["retrieval", "triforce"])
+def test_retrieval_selects_per_local_kv_head(runs, mode):
+    """Each rank's retrieval cache is the single-process one restricted to that rank's KV heads."""
+    key = (mode, False, False)
+    one = runs[1]["greedy"][key]
+    heads = one["victims"].shape[1] // WORLD
+    for rank, r in enumerate(runs[2]):
+        mine = slice(rank * heads, (rank + 1) * heads)
+        assert torch.equal(r["greedy"][key]["victims"], one["victims"][:, mine])
+        torch.testing.assert_close(r["greedy"][key]["retrieval_k"], one["retrieval_k"][:, mine], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode,use_drafter", ENGINES, ids=lambda x: str(x))
+def test_sampled_tokens_match(runs, mode, use_drafter):
+    """Same seed, temperature > 0: one generator per rank seeded alike draws the same tokens."""
+    one = runs[1]["sampled"][(mode, use_drafter)]
+    ranks = [r["sampled"][(mode, use_drafter)] for r in runs[2]]
+    assert ranks[0] == ranks[1] == one
+    assert one != runs[1]["greedy"][(mode, use_drafter, False)]["tokens"]  # it did sample
+
+
+def test_consistency_check_catches_diverging_ranks(runs):
+    for r in runs[2]:
+        assert r["mismatch"].startswith("tensor-parallel workers computed different logits"), r["mismatch"]
+
+
+# ---------------------------------------------------------------------------------------- setup
+def test_lone_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    dist = setup_tensor_parallel(1, "cpu")
+    assert (dist.rank, dist.world_size, dist.device, dist.group) == (0, 1, "cpu", None)
+    with pytest.raises(UserError, match="--tp 2 needs 2 processes: launch with `torchrun"):
+        setup_tensor_parallel(2, "cpu")
+
+
+def test_tp_must_equal_world_size(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match=r"--tp 4 but torchrun started 2 process\(es\)"):
+        setup_tensor_parallel(4, "cpu")
+
+
+def test_bad_timeout(monkeypatch):
+    monkeypatch.setenv("SPEC_TP_TIMEOUT", "soon")
+    with pytest.raises(UserError, match="SPEC_TP_TIMEOUT"):
+        setup_tensor_parallel(1, "cpu")
+
+
+# ---------------------------------------------------------------------------------------- failures
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory):
+    """A tiny checkpoint with a tokenizer, for scripts/generate.py (4 heads / 2 KV heads)."""
+    folder = tmp_path_factory.mktemp("tp-cli")
+    save_tiny(folder, seed=6, vocab=64, layers=1, hidden=16, heads=4, kv_heads=2, inter=16, max_pos=8192)
+    save_tokenizer(folder, vocab=64)
+    return folder
+
+
+def start_worker(rank: int, port: int, args: list[str], logs: Path) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+           "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "SPEC_TP_TIMEOUT": str(TIMEOUT_S), "OMP_NUM_THREADS": "1"}
+    logs.mkdir(exist_ok=True)
+    with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:  # files: never blocks
+        return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "--tp", str(WORLD), *args],
+                                env=env, stdout=out, stderr=err)
+
+
+def wait_for_output(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while path.stat().st_size == 0:
+        assert proc.poll() is None, path.with_suffix(".err").read_text()
+        assert time.monotonic() < deadline, "rank 0 generated nothing"
+        time.sleep(0.05)
+
+
+FAILURES = {"rank1-killed": (1, signal.SIGKILL), "rank0-hung": (0, signal.SIGSTOP)}
+
+
+def test_dead_or_hung_worker_stops_the_other(cli_model, tmp_path):
+    """Rank 0 streams text to stdout: once some appears, generation is under way; then one worker is
+    killed (its peer sees the connection drop) or stopped (its peer must time out). Both cases run
+    at once: the hung one spends most of its time waiting."""
+    prompt = " ".join(f"t{t}" for t in tokens(200, seed=3))
+    args = ["--model", str(cli_model), "--draft", "self", "--mode", "autoregressive", "--prompt", prompt,
+            "--max-new-tokens", "7000", "--device", "cpu", "--rope-scaling", "none"]
+    runs = {name: [start_worker(rank, port, args, tmp_path / name) for rank in range(WORLD)]
+            for name, port in zip(FAILURES, (free_port(), free_port()))}
+    broken, finished = {}, {}
+    try:
+        for name, (victim, sig) in FAILURES.items():
+            wait_for_output(tmp_path / name / "0.out", runs[name][0])
+            os.kill(runs[name][victim].pid, sig)
+            broken[name] = time.monotonic()
+        for name, (victim, _) in FAILURES.items():
+            runs[name][1 - victim].wait(timeout=TIMEOUT_S + 60)
+            finished[name] = time.monotonic()
+    finally:
+        for proc in (p for pair in runs.values() for p in pair):
+            if proc.poll() is None:
+                proc.kill()  # SIGKILL ends a stopped process too
+            proc.wait()
+    for name, (victim, _) in FAILURES.items():
+        survivor = runs[name][1 - victim]
+        err = (tmp_path / name / f"{1 - victim}.err").read_text()
+        assert survivor.returncode == 2, (name, err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert lines[-1].startswith(f"error: tensor-parallel worker {victim} stopped responding ("), (name, err)
+        assert sum(line.startswith("error:") for line in lines) == 1, (name, err)
+        assert finished[name] - broken[name] < TIMEOUT_S + 20, (name, finished[name] - broken[name])
+
+
+def test_kv_heads_not_divisible_is_one_line(tmp_path):
+    """Through the launcher: torchrun, two gloo workers, a model with 3 KV heads."""
+    save_tiny(tmp_path, seed=7, vocab=64, layers=1, hidden=24, heads=6, kv_heads=3, inter=16)
+    save_tokenizer(tmp_path, vocab=64)
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "launch_tp.sh"), "--model", str(tmp_path), "--prompt",
+                          "t5 t6 t7", "--max-new-tokens", "4", "--device", "cpu"],
+                         env={**os.environ, "SPEC_TP_TIMEOUT": str(TIMEOUT_S)}, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines and all(line == lines[0] for line in lines), run.stderr  # each rank: the same single line
+    assert lines[0].startswith("error: tensor parallel degree 2 does not divide the model's 3 KV heads"), run.stderr
+    assert len(lines) <= WORLD
