@@ -25,6 +25,7 @@ setup(
         "console_scripts": [
             "triforce-generate=scripts.generate:main",
             "triforce-prepare=scripts.prepare_models:main",
+            "triforce-chat=scripts.chat:cli",
         ],
     },
 )

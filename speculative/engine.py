@@ -290,6 +290,7 @@ class Generator:
         visible = prompt[:sinks] + prompt[-window:]
         level.run(visible, 1, 0)
         cache.length = len(prompt)  # the sequence the slots stand for
+        cache.evictions += 1  # tokens between sinks and window were dropped: slots no longer map 1:1
         level.tokens = list(prompt)
 
     def truncate(self, length: int) -> None:
@@ -317,7 +318,8 @@ class Generator:
 
     def _restart_drafter(self, prompt: list[int]) -> None:
         """Empty the drafter's StreamingLLM cache and prefill it cheaply for `prompt`."""
-        self.drafter.cache.used = self.drafter.cache.length = 0
+        cache = self.drafter.cache
+        cache.used = cache.length = cache.evictions = 0  # as freshly built
         self.drafter.tokens = []
         self._prefill_drafter(prompt)
 

@@ -1,0 +1,331 @@
+"""chat.py on a tiny random model: the REPL, Ctrl-C, /reset and the saved KV cache.
+
+Models run in float64 so "the same tokens as a fresh run" is exact whatever the chunking.
+"""
+import io
+import random
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from scripts import chat
+from scripts.common import run_cli
+from speculative import Generator, kvfile
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("book") / "book.txt"
+    path.write_text(" ".join(f"t{rng.randrange(3, 64)}" for _ in range(400)))
+    return path
+
+
+def make_args(folder, book, cache, *extra):
+    args = chat.parse_args(["--book", str(book), "--model", str(folder), "--draft", "self", "--max-new-tokens", "14",
+                            "--room", "160", "--gamma1", "2", "--gamma2", "3", "--draft-window", "32",
+                            "--cache-dir", str(cache), *extra])
+    args.dtype = "float64"  # not a command-line choice; exact comparisons need it
+    return args
+
+
+@pytest.fixture
+def start(tiny_folder, book, tmp_path):
+    def start(*extra, cache=tmp_path / "cache", stops=None):
+        c = chat.start(make_args(tiny_folder, book, cache, *extra), interactive=False)
+        if stops is not None:
+            c.stops = stops  # a random model says EOS early; tests that need long answers drop it
+        return c
+    return start
+
+
+def fresh_answer(c, context, n):
+    """What a fresh generator (plain autoregressive decoding) says after `context`."""
+    g = Generator(c.gen.models, replace(c.gen.cfg, max_new_tokens=n), "autoregressive", max_len=len(context) + n)
+    g.prefill(list(context))
+    return g.generate(stop_ids=c.stops)
+
+
+def conversation(c):
+    """The tokens the caches should hold: the book, then each turn and its (possibly cut) answer."""
+    ids, previous = list(c.book.prompt), None
+    for turn in c.turns:
+        ids += (c.book.fmt.closing(previous.tokens) if previous else []) + c.book.fmt.question(turn.question)
+        ids += turn.tokens
+        previous = turn
+    return ids
+
+
+def check_lossless(c, answer):
+    assert c.gen.context == conversation(c) and c.gen.committed == len(c.gen.context)
+    start = len(c.gen.context) - len(answer.tokens)
+    assert c.gen.context[start:] == answer.tokens
+    assert answer.tokens == fresh_answer(c, c.gen.context[:start], c.gen.cfg.max_new_tokens)[:len(answer.tokens)]
+
+
+def run_repl(c, lines, **kw):
+    out = io.StringIO()
+    rc = chat.repl(c, io.StringIO("".join(line + "\n" for line in lines)), out, **kw)
+    return rc, out.getvalue()
+
+
+# ------------------------------------------------------------------------------------- the REPL
+def test_repl_answers_stats_reset_save(start, tmp_path):
+    c = start()
+    transcript = tmp_path / "talk.md"
+    rc, out = run_repl(c, ["t5 t6 t7", "/stats", "/reset", "t5 t6 t7", "/save " + str(transcript), "/help",
+                           "/nonsense", "/quit", "never read"])
+    assert rc == 0
+    assert len(re.findall(r"\d+ tokens · .* tokens/s · acceptance", out)) == 2  # a summary line per answer
+    assert "statistic" in out and "full-cache passes" in out  # the /stats table
+    assert "conversation dropped" in out and "unknown command /nonsense" in out and "/save FILE" in out
+    first, second = c.log[0], c.log[2]
+    assert c.log[1] is None and first.tokens == second.tokens  # after /reset: as from a fresh start
+    assert dict(first.stats.accepted) == dict(second.stats.accepted)  # the same caches, too
+    assert len(c.gen.context) == len(c.book.prompt) + len(c.book.fmt.question("t5 t6 t7")) + len(second.tokens)
+    text = transcript.read_text()
+    assert text.count("**You:** t5 t6 t7") == 2 and "(conversation reset)" in text
+
+
+def test_end_of_input_and_ctrl_c_at_prompt_exit_cleanly(start):
+    c = start()
+    assert run_repl(c, [])[0] == 0
+
+    class CtrlC(io.StringIO):
+        def readline(self, *a):
+            raise KeyboardInterrupt
+
+    assert chat.repl(c, CtrlC(), io.StringIO()) == 0
+
+
+def test_turns_are_lossless_and_stop_at_end_of_turn(start):
+    c = start(stops=frozenset())
+    for q in ("t5 t6 t7", "t8 t9", "t10"):
+        answer = c.ask(q)
+        assert answer.status == "length" and len(answer.tokens) == 14
+        check_lossless(c, answer)
+    # with a stop id, the answer ends at it and nothing after it stays in the caches
+    stop = c.turns[-1].tokens[3]
+    c.stops = frozenset({stop})
+    answer = c.ask("t11 t12")
+    assert answer.status == "stop" and answer.tokens[-1] == stop and stop not in answer.tokens[:-1]
+    check_lossless(c, answer)
+    assert c.gen.committed == len(c.gen.context)
+
+
+def test_levels_passed_per_token(start):
+    c = start(stops=frozenset())
+    seen = []
+    answer = c.ask("t5 t6", lambda new, levels: seen.append((list(new), list(levels))))
+    assert [t for new, _ in seen for t in new] == answer.tokens
+    levels = [lv for new, lvs in seen for lv in lvs[:len(new)]]
+    assert len(levels) == len(answer.tokens) and set(levels) <= {"draft", "middle", "verify"}
+    accepted = answer.stats.accepted
+    assert levels.count("draft") + levels.count("middle") <= accepted["middle->verify"]
+    assert levels.count("draft") <= accepted["draft->middle"]
+
+
+def test_show_levels_colours(start):
+    c = start()
+    rc, out = run_repl(c, ["t5 t6 t7"], show_levels=True)
+    assert rc == 0 and "drafter" in out and "\x1b[" in out
+
+
+# ------------------------------------------------------------------------------------- Ctrl-C
+@pytest.mark.parametrize("k", [1, 6])
+def test_ctrl_c_mid_answer_then_lossless(start, k):
+    c = start(stops=frozenset())
+    shown = []
+
+    def impatient(new, levels):
+        shown.extend(new)
+        if len(shown) >= k:
+            raise KeyboardInterrupt
+
+    stopped = c.ask("t5 t6 t7", impatient)
+    assert stopped.status == "interrupted" and stopped.tokens == shown and len(shown) >= k
+    assert c.gen.context[-len(shown):] == shown and c.gen.committed == len(c.gen.context)
+    answer = c.ask("t8 t9")
+    check_lossless(c, answer)
+    # the conversation the caches hold: book, turn, the shown part of the answer, turn
+    fmt = c.book.fmt
+    expected = c.book.prompt + fmt.question("t5 t6 t7") + shown + fmt.closing(shown) + fmt.question("t8 t9")
+    assert c.gen.context[:len(expected)] == expected
+
+
+@pytest.mark.parametrize("at_call", [1, 2, 4, 7, 10, 14])  # prefill, draft, middle, full, middle, full
+def test_ctrl_c_inside_a_forward_then_lossless(start, at_call):
+    """Ctrl-C lands inside some level's forward (the question's prefill, a draft, a middle or a
+    full-cache pass): the next answer is still exactly right."""
+    c = start(stops=frozenset())
+    c.ask("t3 t4")
+    model = c.gen.models.target
+    calls = 0
+
+    def forward(*a, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == at_call:
+            raise KeyboardInterrupt
+        return type(model).forward(model, *a, **kw)
+
+    model.forward = forward
+    try:
+        try:
+            c.ask("t5 t6 t7")
+        except KeyboardInterrupt:
+            assert at_call == 1  # during the question's prefill: the turn is dropped
+    finally:
+        del model.forward
+    check_lossless(c, c.ask("t8 t9"))
+
+
+# ------------------------------------------------------------------------------------- KV file
+def test_cache_round_trip(start, tmp_path, capsys):
+    first = start(stops=frozenset())
+    assert "saved it to" in capsys.readouterr().err
+    a = first.ask("t5 t6 t7")
+    second = start(stops=frozenset())
+    assert "loaded the prefilled book" in capsys.readouterr().err
+    n = len(first.book.prompt)
+    assert torch.equal(first.gen.full.cache.k[:, :, :n], second.gen.full.cache.k[:, :, :n])
+    b = second.ask("t5 t6 t7")
+    assert a.tokens == b.tokens
+    assert dict(a.stats.accepted) == dict(b.stats.accepted) and a.stats.full_passes == b.stats.full_passes
+    check_lossless(second, b)
+    nocache = start("--no-cache", stops=frozenset())
+    assert nocache.ask("t5 t6 t7").tokens == a.tokens
+
+
+@pytest.mark.parametrize("where", ["data", "header", "truncated"])
+def test_damaged_cache_is_rebuilt(start, tmp_path, capsys, where):
+    reference = start(stops=frozenset()).ask("t5").tokens
+    [path] = (tmp_path / "cache").glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    if where == "data":
+        data[-50] ^= 0x01
+    elif where == "header":
+        data[30] ^= 0x01
+    else:
+        data = data[:len(data) // 2]
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    rebuilt = start(stops=frozenset())
+    err = capsys.readouterr().err
+    assert "rebuilding it" in err and "prefilled" in err and "loaded" not in err
+    assert rebuilt.ask("t5").tokens == reference
+    start()
+    assert "loaded the prefilled book" in capsys.readouterr().err  # rewritten whole
+
+
+def test_mismatched_cache_is_refused(start, tmp_path):
+    c = start()
+    [path] = (tmp_path / "cache").glob("*.safetensors")
+    key = chat.cache_key(c.session.args, c.session, c.book)
+    kvfile.load(path, c.gen, key, c.book.prompt)  # the right key loads
+    with pytest.raises(kvfile.CacheInvalid, match="another model, book or setting"):
+        kvfile.load(path, c.gen, {**key, "dtype": "bfloat16"}, c.book.prompt)
+    with pytest.raises(kvfile.CacheInvalid, match="another prompt"):
+        kvfile.load(path, c.gen, key, c.book.prompt[:-1] + [5])
+
+
+# ------------------------------------------------------------------------------------- the book
+@pytest.mark.parametrize("content,message", [(None, "does not exist"), (b"  \n", "is empty"),
+                                             (b"t1\x00\x01", "binary"), (b"t5 \xff\xfe t6", "not UTF-8")])
+def test_bad_book_is_one_line(tiny_folder, tmp_path, capsys, content, message):
+    path = tmp_path / "book.txt"
+    if content is not None:
+        path.write_bytes(content)
+    assert run_cli(chat.main, ["--book", str(path), "--model", str(tiny_folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: book") and message in err and "\n" not in err
+
+
+def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
+    path = tmp_path / "long.txt"
+    path.write_text(" ".join(f"t{3 + i % 60}" for i in range(4500)))  # the tiny model takes 4096 positions
+    argv = ["--book", str(path), "--model", str(tiny_folder), "--room", "100"]
+    assert run_cli(chat.main, argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "--context 3900" in err
+    args = chat.parse_args(argv + ["--context", "3900"])
+    tok = chat.load_tokenizer(tiny_folder)
+    book = chat.prepare_book(args, tok, chat.Console(file=io.StringIO()), interactive=False)
+    ids = tok.encode(path.read_text(), add_special_tokens=False, split_special_tokens=True)
+    head = len(book.fmt.markup(book.fmt.book_head))
+    assert book.kept == 3900 and book.prompt[head:head + 3900] == ids[-3900:]
+    assert len(book.prompt) + 100 <= 4096
+
+
+def test_chat_template_pieces(tiny_folder):
+    tok = chat.load_tokenizer(tiny_folder)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fmt = chat.ChatFormat(tok, "about t9")
+    assert fmt.templated and fmt.book_head == "<|im_start|>system\nabout t9\n\n" and fmt.book_tail == "<|im_end|>\n"
+    assert fmt.turn_head == "<|im_start|>user\n" and fmt.turn_tail == "<|im_end|>\n<|im_start|>assistant\n"
+    assert fmt.answer_end == "<|im_end|>\n"
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end in chat.stop_ids(tok, fmt, str(tiny_folder))
+    assert fmt.closing([5, end]) == [] and fmt.closing([5, 6]) == [end]  # "\n" is no token here
+    assert fmt.encode("t5 <|im_end|>")[-1] != end  # user text never becomes a control token
+    assert not chat.ChatFormat(chat.load_tokenizer(tiny_folder), "x").templated  # no template: plain
+
+
+# ------------------------------------------------------------------------------------- TP input
+def _share_worker(rank, port, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    lines = iter(["t5 t6", "/quit"])
+
+    def read():
+        assert rank == 0, "only rank 0 reads the terminal"
+        return next(lines)
+
+    got = [chat.share(read), chat.share(read), chat._all_ranks(rank == 0), chat._all_ranks(True)]
+    (out_dir / f"rank{rank}").write_text(repr(got))
+    dist.destroy_process_group()
+
+
+def test_rank0_input_is_broadcast(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_share_worker, args=(port, tmp_path), nprocs=2)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text() == repr(["t5 t6", "/quit", False, True])
+
+
+# ------------------------------------------------------------------------------------- real model
+SMOLLM = chat.Path(__file__).resolve().parents[1] / "models" / "smollm2-135m"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOLLM.is_dir(), reason="models/smollm2-135m missing: run scripts/prepare_models.py")
+def test_smollm2_chat_template_cache_and_lossless_turns(tmp_path, capsys):
+    """SmolLM2's ChatML template, the answer ending at <|im_end|>, the saved cache, lossless turns."""
+    book = chat.Path(__file__).resolve().parents[1] / "speculative" / "data" / "pride_and_prejudice_ch1-9.txt"
+    args = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
+                            "--max-new-tokens", "24", "--room", "200", "--budget", "256",
+                            "--cache-dir", str(tmp_path)])
+    args.dtype = "float64"
+    first = chat.start(args, interactive=False)
+    assert first.book.fmt.templated and first.book.fmt.answer_end == "<|im_end|>\n"
+    im_end = first.tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in first.stops and first.book.prompt[-2:] == first.book.fmt.markup("<|im_end|>\n")
+    a = first.ask("Who is Mr. Bingley?")
+    check_lossless(first, a)
+    capsys.readouterr()
+    second = chat.start(args, interactive=False)
+    assert "loaded the prefilled book" in capsys.readouterr().err
+    b = second.ask("Who is Mr. Bingley?")
+    assert a.tokens == b.tokens
+    check_lossless(second, second.ask("And his sister?"))
