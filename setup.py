@@ -23,7 +23,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "triforce-generate=scripts.generate:main",
+            "triforce-generate=scripts.generate:cli",
             "triforce-prepare=scripts.prepare_models:main",
             "triforce-chat=scripts.chat:cli",
         ],

@@ -87,5 +87,9 @@ class _null:
         return False
 
 
-if __name__ == "__main__":
+def cli() -> None:
     sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+    cli()
