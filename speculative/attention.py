@@ -3,7 +3,8 @@
 Decode and verification (a handful of queries) use grouped matmuls: the query heads that share a
 KV head and all new tokens form the rows of one matrix, so each cached key and value is read once
 per pass however many tokens are verified. Long prefill chunks use torch SDPA, which never
-materialises the (queries x keys) score matrix.
+materialises the (queries x keys) score matrix. On CUDA with fp16/bf16, flash-attn's
+`flash_attn_with_kvcache` serves every call when it imports; the backend is chosen once, at import.
 """
 from __future__ import annotations
 
@@ -13,12 +14,35 @@ import torch.nn.functional as F
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (see benchmarks in README)
 
 
+def _load_flash():
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except Exception:  # not installed, or built for another torch/CUDA: SDPA serves instead
+        return None
+    return flash_attn_with_kvcache
+
+
+_FLASH = _load_flash()
+BACKEND = "flash-attn" if _FLASH is not None else "sdpa"  # what CUDA half-precision calls use
+
+
+def backend(q: torch.Tensor) -> str:
+    """The kernel family `attend` uses for queries like q."""
+    if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return "flash-attn"
+    return "sdpa" if q.shape[0] >= SDPA_MIN_QUERIES else "grouped-matmul"
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Causal attention of the last T positions.
 
     q: (T, Hq, D) rotated queries of the T newest tokens; keys/values: (Hkv, S, D) with the T newest
     tokens last. Returns (T, Hq * D). Every earlier key is visible to every query.
     """
+    if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _attend_flash(q, keys, values)
     if q.shape[0] >= SDPA_MIN_QUERIES:
         return _attend_sdpa(q, keys, values)
     return _attend_grouped(q, keys, values)
@@ -37,6 +61,14 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # (Hkv, rep*T, D)
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+def _attend_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # flash-attn wants (batch, tokens, heads, dim) with unit stride in dim only, so a token-major cache
+    # (the offloaded store's layout) passes as a view; causal masking is aligned to the last key
+    T, Hq, D = q.shape
+    out = _FLASH(q[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], causal=True)
+    return out[0].reshape(T, Hq * D)
 
 
 def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

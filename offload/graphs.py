@@ -1,0 +1,123 @@
+"""CUDA graphs for the fixed-shape levels: the drafter step and the middle-level verification.
+
+Their caches (StreamingLLM, retrieval) have a fixed capacity, but the caches' own `attend`
+slices by a Python length, which a graph would freeze at capture time. `StaticView` is the same
+model protocol over the same buffers with shapes that never change: the new tokens' slots and
+positions live in device tensors and attention spans the whole capacity under a mask, so one
+capture per (cache, tokens per call, last_only) replays at any length. Cache bookkeeping
+(begin, which may evict, and end) stays eager around the replay.
+
+    enable_cuda_graphs(generator)   # after constructing it; the full-cache level stays eager
+
+With `eager_static=True` the same view runs eagerly instead of being captured (any device): that
+is how the CPU tests check that the graph path computes what the caches' own path does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) run eagerly
+
+
+class StaticView:
+    """The model protocol over a SlotCache's K/V buffers, with static shapes."""
+
+    def __init__(self, cache, T: int):
+        self.cache, self.T = cache, T
+        device = cache.k.device
+        self.positions = torch.zeros(T, dtype=torch.long, device=device)
+        self.slots = torch.zeros(T, dtype=torch.long, device=device)
+        self.offsets = torch.arange(T, device=device)
+        self.key_slots = torch.arange(cache.capacity, device=device)
+
+    def set(self, positions: torch.Tensor, start: int) -> None:
+        """Point the view at this call's RoPE positions and the slots [start, start + T)."""
+        self.positions.copy_(positions)
+        torch.add(self.offsets, start, out=self.slots)
+
+    def begin(self, T: int) -> torch.Tensor:
+        return self.positions
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.k[layer], self.cache.v[layer]  # (Hkv, capacity, D)
+        keys.index_copy_(1, self.slots, k.transpose(0, 1))
+        values.index_copy_(1, self.slots, v.transpose(0, 1))
+        # a query sees every slot up to its own: earlier tokens, never later ones or stale slots
+        visible = self.key_slots[None, :] <= self.slots[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                             attn_mask=visible, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def end(self, T: int) -> None:
+        pass  # the real cache's end() runs eagerly after the replay
+
+
+@dataclass
+class _Captured:
+    view: StaticView
+    tokens: torch.Tensor
+    logits: torch.Tensor | None = None
+    graph: object = None
+
+
+class GraphedModel:
+    """Drop-in for a Level's model: small calls on CUDA replay a graph (or, with eager_static, run the
+    static view eagerly on any device); everything else goes to the model unchanged."""
+
+    def __init__(self, model, eager_static: bool = False, max_tokens: int = MAX_GRAPH_TOKENS, warmup: int = 2):
+        self.model, self.max_tokens, self.warmup = model, max_tokens, warmup
+        self.eager_static = eager_static
+        self.captured: dict[tuple, _Captured] = {}
+        self.replays = 0
+
+    def __getattr__(self, name):  # embed, rotary, kv_shape, ... of the wrapped model
+        return getattr(self.__dict__["model"], name)
+
+    def __call__(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        T = tokens.shape[0]
+        graphs = tokens.is_cuda and not self.eager_static
+        if T > self.max_tokens or not (graphs or self.eager_static) or not hasattr(cache, "used"):
+            return self.model(tokens, cache, last_only)
+        positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
+        key = (id(cache), T, last_only)
+        c = self.captured.get(key)
+        if c is None:
+            c = self.captured[key] = _Captured(StaticView(cache, T), torch.zeros_like(tokens))
+        c.view.set(positions, cache.used)
+        c.tokens.copy_(tokens)
+        if not graphs:
+            logits = self.model(c.tokens, c.view, last_only)
+        else:
+            if c.graph is None:
+                self._capture(c, last_only)
+            c.graph.replay()
+            logits = c.logits.clone()
+        cache.end(T)
+        self.replays += 1
+        return logits
+
+    def _capture(self, c: _Captured, last_only: bool) -> None:
+        # warm-up and capture write this call's K/V into this call's slots; the replay rewrites them
+        self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(c.tokens.device)  # no H2D copy inside the graph
+        side = torch.cuda.Stream(c.tokens.device)
+        side.wait_stream(torch.cuda.current_stream(c.tokens.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(self.warmup):
+                self.model(c.tokens, c.view, last_only)
+        torch.cuda.current_stream(c.tokens.device).wait_stream(side)
+        c.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(c.graph), torch.no_grad():
+            c.logits = self.model(c.tokens, c.view, last_only)
+
+
+def enable_cuda_graphs(generator, eager_static: bool = False) -> list[GraphedModel]:
+    """Wrap the drafter and middle levels' models; returns the wrappers (their `replays` count)."""
+    wrapped = []
+    for level in (generator.drafter, generator.middle):
+        if level is not None:
+            level.model = GraphedModel(level.model, eager_static=eager_static)
+            wrapped.append(level.model)
+    return wrapped

@@ -1,0 +1,279 @@
+"""The offloaded full cache: store/stream round trips, rollback, byte counters, planner, and greedy
+output identical to the resident cache for every engine (CPU: the "device" is the CPU)."""
+import pytest
+import torch
+
+from offload import OffloadedCache, full_cache_factory
+from offload.graphs import GraphedModel, StaticView, enable_cuda_graphs
+from offload.planner import GiB, Request, generator_reserve, plan, shape_request
+from speculative import GenerationConfig, Models
+from speculative.caches import FullCache, KVShape
+from speculative.engine import Generator
+from speculative.errors import UserError
+from speculative.loader import load_model
+
+from .conftest import save_tiny
+
+SHAPE = KVShape(num_layers=5, num_kv_heads=2, head_dim=4, dtype=torch.float64, device=torch.device("cpu"))
+HQ = 4
+
+
+def feed(caches, T, gen):
+    """One forward of T random tokens through every cache, layer by layer; returns the outputs."""
+    positions = [c.begin(T) for c in caches]
+    assert all(torch.equal(p, positions[0]) for p in positions)
+    outs = [[] for _ in caches]
+    for layer in range(SHAPE.num_layers):
+        q = torch.randn(T, HQ, SHAPE.head_dim, dtype=torch.float64, generator=gen)
+        k, v = (torch.randn(T, SHAPE.num_kv_heads, SHAPE.head_dim, dtype=torch.float64, generator=gen) for _ in "kv")
+        for c, o in zip(caches, outs):
+            o.append(c.attend(layer, q, k, v))
+    for c in caches:
+        c.end(T)
+    return outs
+
+
+def assert_same_state(full: FullCache, off: OffloadedCache):
+    """Every live value of every layer, wherever it rests (device-resident layers or host store)."""
+    n = full.length
+    assert off.length == n
+    for layer in range(SHAPE.num_layers):
+        j = layer - off.onchip
+        k, v = (off.resident_k[layer], off.resident_v[layer]) if j < 0 else (off.store.k[j], off.store.v[j])
+        assert torch.equal(k[:n].transpose(0, 1), full.k[layer, :, :n])
+        assert torch.equal(v[:n].transpose(0, 1), full.v[layer, :, :n])
+
+
+def assert_outputs_equal(outs):
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("onchip", [0, 2])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+@pytest.mark.parametrize("pieces", [[13, 1, 1, 3], [8, 8, 1], [5, 2, 9, 4, 1]])
+def test_round_trip_every_chunk_boundary(onchip, chunk, pieces):
+    """Prompts of lengths off and on the chunk grid: what attention sees and what the store keeps is
+    exactly what the resident cache has, and the staged slots hold exact copies."""
+    gen = torch.Generator().manual_seed(sum(pieces) + chunk)
+    full = FullCache(SHAPE, 64, prefill_chunk=16)
+    off = OffloadedCache(SHAPE, 64, prefill_chunk=16, onchip_layers=onchip, chunk_tokens=chunk)
+    for T in pieces:
+        assert_outputs_equal(feed([full, off], T, gen))
+        assert_same_state(full, off)
+    n = full.length
+    for s, held in enumerate(off.streamer.held):
+        if held is not None:  # staging never diverges from the store below its valid count
+            layer, valid = held
+            assert torch.equal(off.streamer.k[s][:valid], off.store.k[layer, :valid])
+            assert torch.equal(off.streamer.v[s][:valid], off.store.v[layer, :valid])
+    # what the retrieval cache reads
+    index = torch.randint(0, n, (SHAPE.num_kv_heads, 6), generator=gen)
+    for layer in range(SHAPE.num_layers):
+        for a, b in zip(full.gather(layer, index), off.gather(layer, index)):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(off.chunk_key_means(layer, 4, n // 4), full.chunk_key_means(layer, 4, n // 4))
+    for a, b in zip(full.slice(3, n), off.slice(3, n)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("prefetch_next", [False, True])
+def test_rollback_then_append_overwrites_exactly_the_rejected(prefetch_next):
+    gen = torch.Generator().manual_seed(0)
+    full = FullCache(SHAPE, 64, prefill_chunk=16)
+    off = OffloadedCache(SHAPE, 64, prefill_chunk=16, chunk_tokens=3, prefetch_next=prefetch_next)
+    feed([full, off], 11, gen)
+    feed([full, off], 6, gen)  # six speculative tokens...
+    before_k, before_v = off.store.k.clone(), off.store.v.clone()
+    full.rollback(13)
+    off.rollback(13)  # ...four of them rejected
+    assert_outputs_equal(feed([full, off], 2, gen))  # two new tokens take slots 13 and 14
+    assert_same_state(full, off)
+    changed = (off.store.k != before_k).any(dim=(0, 2, 3))
+    assert changed.nonzero().flatten().tolist() == [13, 14]
+    assert torch.equal(off.store.v[:, 15:17], before_v[:, 15:17])  # rejected, not yet overwritten, unread
+    assert_outputs_equal(feed([full, off], 5, gen))  # streamed passes after the rollback see the new tokens
+    assert_same_state(full, off)
+
+
+def test_bytes_equal_the_arithmetic():
+    """Four offloaded layers rotating through two slots: each pass streams every offloaded layer's
+    live prefix in and writes its new tokens back."""
+    gen = torch.Generator().manual_seed(1)
+    off = OffloadedCache(SHAPE, 64, prefill_chunk=16, onchip_layers=1, chunk_tokens=5)
+    token = SHAPE.num_kv_heads * SHAPE.head_dim * 8  # one token of K (or of V) in one layer, float64
+    expected_h2d = expected_d2h = 0
+    for T, rollback in [(10, None), (3, None), (7, 15), (1, None), (4, 20)]:
+        length = off.length
+        feed([off], T, gen)
+        expected_h2d += 4 * 2 * length * token
+        expected_d2h += 4 * 2 * T * token
+        p = off.counters.passes[-1]
+        assert (p.h2d, p.d2h, p.length, p.tokens) == (4 * 2 * length * token, 4 * 2 * T * token, length, T)
+        if rollback is not None:
+            off.rollback(rollback)
+    assert (off.counters.h2d, off.counters.d2h) == (expected_h2d, expected_d2h)
+    assert off.bytes_moved == expected_h2d + expected_d2h
+    s = off.timings()
+    assert s["bandwidth_gbps"] > 0 and s["wait_seconds"] == pytest.approx(s["copy_seconds"])  # CPU: no overlap
+    assert s["pass_seconds"] >= s["wait_seconds"] and s["compute_seconds"] >= 0
+    # retrieval reads count too, apart: a slice of 6 tokens of the 4 offloaded layers
+    off.slice(2, 8)
+    assert off.counters.retrieval_h2d == 2 * 4 * 6 * token
+
+
+def test_double_buffer_schedule():
+    """Layer j computes from slot j % 2 while layer j+1's copy is already issued into the other slot."""
+    off = OffloadedCache(SHAPE, 64, prefill_chunk=16, onchip_layers=1, chunk_tokens=4)
+    log = []
+    for name in ("fetch", "acquire", "write_back", "release"):
+        method = getattr(off.streamer, name)
+        setattr(off.streamer, name, lambda j, *a, _m=method, _n=name: (log.append((_n, j)), _m(j, *a))[1])
+    feed([off], 5, torch.Generator().manual_seed(3))
+    expected = [("fetch", 0)]
+    for j in range(4):
+        expected += [("acquire", j)] + ([("fetch", j + 1)] if j < 3 else []) + [("write_back", j), ("release", j)]
+    assert log == expected
+    assert [h[0] for h in off.streamer.held] == [2, 3]  # slots alternate: layers 0, 2 | 1, 3
+
+
+def test_staged_layers_are_not_copied_again():
+    """Two offloaded layers fit the two slots: after the first pass nothing is streamed but the new tokens."""
+    gen = torch.Generator().manual_seed(2)
+    off = OffloadedCache(SHAPE, 64, prefill_chunk=16, onchip_layers=3, chunk_tokens=4)
+    feed([off], 9, gen)
+    feed([off], 2, gen)
+    off.rollback(10)
+    feed([off], 3, gen)
+    assert [p.h2d for p in off.counters.passes] == [0, 0, 0]
+
+
+# ---------------------------------------------------------------------- planner
+def req(**kw):
+    base = dict(num_layers=32, layer_token_bytes=16 * 2**10, max_len=128 * 2**10, weights=13 * GiB,
+                retrieval_cache=4 * GiB, workspace=GiB, onchip_layers=None)  # Llama2-7B-like, 2 GiB per layer
+    base.update(kw)
+    return Request(**base)
+
+
+def test_planner_fills_free_memory_with_onchip_layers():
+    p = plan(req(), free=30 * GiB)  # 18 fixed + 2 x 2 staging leaves 8: four layers
+    assert (p.onchip_layers, p.staging, p.onchip_kv) == (4, 4 * GiB, 8 * GiB)
+    assert p.headroom == 0
+    assert plan(req(onchip_layers=2), free=30 * GiB).onchip_layers == 2
+    everything = plan(req(), free=90 * GiB)  # all 32 layers resident: no staging needed
+    assert (everything.onchip_layers, everything.staging) == (32, 0)
+    assert plan(req(), free=22 * GiB).onchip_layers == 0
+
+
+def test_planner_errors_say_what_is_missing_and_what_to_change():
+    with pytest.raises(UserError, match=r"5\.00 GiB missing.*--onchip-layers 4"):
+        plan(req(onchip_layers=7), free=31 * GiB)
+    with pytest.raises(UserError, match=r"1\.00 GiB missing.*lower --context to about 98304 tokens"):
+        plan(req(), free=21 * GiB)
+    with pytest.raises(UserError, match=r"missing.*--budget"):
+        plan(req(), free=10 * GiB)
+    with pytest.raises(UserError, match=r"outside 0\.\.32"):
+        plan(req(onchip_layers=33), free=100 * GiB)
+    with pytest.raises(UserError, match=r"whole KV cache does not fit.*--offload host"):
+        plan(req(offload=False), free=30 * GiB)
+    assert plan(req(offload=False), free=82 * GiB).onchip_layers == 32
+
+
+def test_factory_plans_before_allocating():
+    shape = KVShape(32, 32, 128, torch.bfloat16, torch.device("cpu"))
+    # ten billion tokens would fail to allocate: the planner's error must come first
+    with pytest.raises(UserError, match="missing"):
+        full_cache_factory("cpu", 512, free_bytes=64 * GiB)(shape, 10**10)
+    seen = []
+    cache = full_cache_factory("cpu", 512, onchip_layers="auto", free_bytes=3 * GiB, on_plan=seen.append)(
+        SHAPE, 1000)
+    assert cache.onchip == SHAPE.num_layers == seen[0].onchip_layers
+    r = shape_request(shape, 1024, reserve=5)
+    assert r.layer_bytes == 1024 * 2 * 32 * 128 * 2 and r.retrieval_cache == 5
+    assert generator_reserve(shape, None, "triforce", 4096, 4, 6, 4, 256) == \
+        shape.bytes_per_token * (4096 + 13 + 4 + 256 + 64)
+
+
+# ---------------------------------------------------------------------- engines
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target4")
+    save_tiny(folder, seed=11, vocab=48, layers=4)
+    target = load_model(folder, torch.float64)
+    drafter = load_model(folder, torch.float64)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.02 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(5)))
+    return target, drafter
+
+
+def run(models, mode, ids, cfg, factory=None, graphs=False):
+    gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens, full_cache_factory=factory)
+    wrapped = enable_cuda_graphs(gen, eager_static=True) if graphs else []
+    gen.prefill(ids)
+    return gen.generate(), gen, wrapped
+
+
+CFG = GenerationConfig(max_new_tokens=50, budget=40, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                       sink_tokens=4, prefill_chunk=24)
+
+
+@pytest.mark.parametrize("mode,use_drafter", [("autoregressive", False), ("speculative", True),
+                                              ("retrieval", False), ("triforce", True), ("triforce", False)])
+@pytest.mark.parametrize("onchip,prefetch_next", [(0, False), (1, True)])
+def test_greedy_identical_with_offloading(pair, mode, use_drafter, onchip, prefetch_next):
+    """Same tokens as the resident cache, and the same acceptance at every level (so the retrieval
+    cache was built and refreshed from identical KV)."""
+    target, drafter = pair
+    models = Models(target, drafter if use_drafter else None)
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref, ref_gen, _ = run(models, mode, ids, CFG)
+    factory = full_cache_factory("cpu", CFG.prefill_chunk, onchip_layers=onchip, chunk_tokens=7,
+                                 prefetch_next=prefetch_next)
+    out, gen, _ = run(models, mode, ids, CFG, factory)
+    assert out == ref
+    assert dict(gen.stats.accepted) == dict(ref_gen.stats.accepted)
+    assert gen.stats.rebuilds == ref_gen.stats.rebuilds
+    assert ref_gen.stats.bytes_moved is None and gen.stats.bytes_moved > 0
+    if mode == "autoregressive" and not prefetch_next:
+        # decode pass i feeds one token at length P + i: every offloaded layer in, its new KV back out
+        token = 2 * 2 * 8 * 8  # K and V, 2 KV heads, head_dim 8, float64
+        off = 4 - onchip
+        expected = sum(off * token * (len(ids) + i) + off * token for i in range(CFG.max_new_tokens - 1))
+        assert gen.stats.bytes_moved == expected
+
+
+def test_fewer_bytes_per_token_with_triforce(pair):
+    target, _ = pair
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(4)).tolist()
+    per_token = {}
+    for mode in ("autoregressive", "triforce"):
+        _, gen, _ = run(Models(target, None), mode, ids, CFG, full_cache_factory("cpu", CFG.prefill_chunk))
+        per_token[mode] = gen.stats.bytes_moved / gen.stats.decode_tokens
+    assert per_token["triforce"] < per_token["autoregressive"] / 1.5
+
+
+# ---------------------------------------------------------------------- the CUDA-graph path, run eagerly
+def test_static_view_computes_what_the_cache_does(pair):
+    target, _ = pair
+    gen = torch.Generator().manual_seed(6)
+    a, b = FullCache(target.kv_shape(), 64, 16), FullCache(target.kv_shape(), 64, 16)
+    graphed = GraphedModel(target, eager_static=True)
+    for T in (9, 3, 1, 1, 4):
+        ids = torch.randint(0, 48, (T,), generator=gen)
+        # the eager grouped-matmul path scores in float32 even for float64 models: rounding differs
+        torch.testing.assert_close(graphed(ids, b), target(ids, a), rtol=0, atol=1e-5)
+        assert a.length == b.length and a.used == b.used
+        torch.testing.assert_close(a.k[:, :, :a.used], b.k[:, :, :b.used], rtol=0, atol=1e-5)
+        assert torch.equal(a.k[0, :, :a.used], b.k[0, :, :b.used])  # layer 0's keys do not depend on attention
+    assert graphed.replays == 5 and isinstance(next(iter(graphed.captured.values())).view, StaticView)
+
+
+def test_graph_path_gives_the_same_tokens(pair):
+    target, drafter = pair
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(8)).tolist()
+    ref, ref_gen, _ = run(Models(target, drafter), "triforce", ids, CFG)
+    out, gen, wrapped = run(Models(target, drafter), "triforce", ids, CFG, graphs=True)
+    assert out == ref and dict(gen.stats.accepted) == dict(ref_gen.stats.accepted)
+    assert all(w.replays > 0 for w in wrapped)
