@@ -31,6 +31,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context", type=int, default=None, help="keep the last N tokens of the prompt")
     g.add_argument("--offload", default="none", choices=["none", "host"],
                    help="host: keep the full KV cache in (pinned) host memory, stream it per pass")
+    g.add_argument("--onchip-layers", default="0", help="with --offload host: layers whose KV stays on the device, or auto")
+    g.add_argument("--offload-chunk", type=int, default=4096, help="tokens per host->device copy when streaming KV")
+    g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs for the drafter and middle levels")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
 
 

@@ -90,9 +90,25 @@ class Session:
         factory = None
         if self.args.offload == "host":
             from offload import full_cache_factory
+            from offload.planner import generator_reserve
 
-            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk)
-        return Generator(self.loaded.models, cfg, self.args.mode, max_len=max_len, full_cache_factory=factory)
+            models = self.loaded.models
+            onchip = self.args.onchip_layers
+            onchip = onchip if onchip == "auto" else int(onchip)
+            reserve = generator_reserve(models.target.kv_shape(), models.drafter.kv_shape() if models.drafter else None,
+                                        self.args.mode, cfg.budget, cfg.gamma1, cfg.gamma2, cfg.sink_tokens,
+                                        cfg.draft_window)
+            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk, onchip_layers=onchip,
+                                         chunk_tokens=self.args.offload_chunk, reserve_bytes=reserve)
+        gen = Generator(self.loaded.models, cfg, self.args.mode, max_len=max_len, full_cache_factory=factory)
+        self._last_full_cache = gen.full.cache
+        if self.args.cuda_graphs:
+            if not str(self.device).startswith("cuda"):
+                raise UserError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+            from offload.graphs import enable_cuda_graphs
+
+            enable_cuda_graphs(gen)
+        return gen
 
     def report(self, args, cfg, tokens, text, stats) -> dict:
         d = stats.to_dict()
@@ -106,6 +122,7 @@ class Session:
                            "middle": acc.get("middle->verify")},
             "tokens_per_full_pass": stats.tokens_per_full_pass, "full_passes": stats.full_passes,
             "bytes_moved": stats.bytes_moved,
+            "offload": self._offload_timings(),
             "passes": d["passes"], "seconds": d["seconds"], "rebuilds": stats.rebuilds,
             "settings": {"dtype": args.dtype, "device": str(self.device), "threads": torch.get_num_threads(),
                          "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,
@@ -113,6 +130,10 @@ class Session:
                          "rope_scaling": self.config.rope_scaling, "tp": self.dist.world_size if self.dist else 1,
                          "offload": args.offload},
         }
+
+    def _offload_timings(self):
+        cache = getattr(self, "_last_full_cache", None)
+        return cache.timings() if cache is not None and hasattr(cache, "timings") else None
 
     def print_stats(self, args, cfg, stats) -> None:
         print_stats_table(Console(file=self.stdout), args.mode, stats)
