@@ -32,3 +32,25 @@ def test_greedy_every_mode_matches_autoregressive_on_a_book():
         out = generate_json(mode)
         assert out["tokens"] == reference["tokens"], mode
         assert out["tokens_per_full_pass"] > 1.5, (mode, out["tokens_per_full_pass"])
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
+def test_real_checkpoint_logits_match_transformers(name):
+    """The converted checkpoints (Qwen2 with q/k/v biases, SmolLM2) give transformers' logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speculative.caches import FullCache
+    from speculative.loader import load_model
+
+    folder = ROOT / "models" / name
+    if not folder.is_dir():
+        pytest.skip(f"models/{name} missing: run scripts/prepare_models.py --all")
+    tokens = torch.arange(100, 164)
+    ours = load_model(folder, torch.float32)
+    got = ours(tokens, FullCache(ours.kv_shape(), 64))
+    del ours
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(tokens[None]).logits[0]
+    assert (got - expected).abs().max().item() < 1e-3  # float32 over 24-30 layers of real weights
