@@ -1,17 +1,43 @@
 #!/usr/bin/env python
 """Side-by-side decoding benchmark: every engine on the same model, prompt, context, dtype, threads.
 
-The prompt is prefilled once per context length and shared (decoding only writes after it).
-After a warm-up, repetitions alternate between systems so drift hits all alike. Greedy runs are
-checked token for token against our autoregressive engine; a mismatch is a failure.
+Systems: our four engines (autoregressive, speculative, retrieval, triforce) and the ones users
+would pick instead: Hugging Face transformers `generate()` (greedy, its default DynamicCache) and
+transformers assisted generation (`assistant_model=` the same drafter, HF's default settings:
+20 assistant tokens, confidence threshold 0.4). With `--draft self` there is no separate drafter
+to hand to transformers, so that row says so instead of a number.
+
+The prompt is prefilled once per context length and shared by our engines (decoding only writes
+after it); transformers gets its own prefill of the same token ids, copied per run (and so does its
+assistant), so every system is timed on decoding alone: the first token comes from the prefill,
+the clock covers the other N-1. After a warm-up, repetitions alternate between systems so drift hits
+all alike; the median is reported. Greedy runs are checked token for token against our
+autoregressive engine; a mismatch is a failure (exit 1), reported with the first differing position,
+transformers' top-2 logit gap there, and whether transformers, fed our tokens, ranks every one of them
+first up to a tie (a gap of at most 8 epsilons of the dtype, 0.0625 logits in bf16, where logits
+often tie: then the runs differ by rounding, not by logic; --accept-ties stops counting those as
+failures, --dtype float32 avoids them).
+EOS does not stop any system (transformers runs with eos_token_id unset), so all produce N tokens.
+
+RoPE: each context gets the scaling it needs (--rope-scaling auto: YaRN when context + new tokens
+exceeds the trained positions); contexts needing different scalings are run with the models reloaded.
+
+Columns: decode tokens/s; speedup vs our autoregressive and vs transformers generate(); acceptance
+per level; tokens per full-cache pass; bytes per token: read (modelled: weights + the KV each pass
+reads, from the pass counts) and moved (measured host->device copies, with --offload host).
 
     python scripts/bench.py --quick
-    python scripts/bench.py --contexts 4096,16384,32768 --new-tokens 128 --out bench.json
+    python scripts/bench.py --contexts 4096,16384,32768 --new-tokens 128 --out bench.json   # + bench.png
+    python scripts/bench.py --model models/qwen2.5-coder-1.5b --contexts 4096,16384 --dtype bfloat16
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -19,12 +45,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common import add_engine_args, add_model_args, generation_config, prefill_progress, read_text, run_cli  # noqa: E402
+from scripts.common import (add_engine_args, add_model_args, generation_config, prefill_progress, read_text,  # noqa: E402
+                            resolve_rope, run_cli)
 from scripts.session import open_session  # noqa: E402
-from speculative import Generator  # noqa: E402
+from speculative import Generator, ModelConfig, UserError  # noqa: E402
 from speculative.engine import synchronize  # noqa: E402
 
 BOOK = Path(__file__).resolve().parents[1] / "speculative" / "data" / "pride_and_prejudice_ch1-9.txt"
+OURS = ("autoregressive", "speculative", "retrieval", "triforce")
+HF = ("hf-generate", "hf-assisted")
+DEFAULT_SYSTEMS = ",".join(OURS + HF)
+TIE_EPS = 8  # a logit gap of at most 8 machine epsilons of the dtype (bf16: 0.0625) is a tie up to rounding
+
+
+def tie_tolerance(dtype) -> float:
+    import torch
+
+    return TIE_EPS * torch.finfo(dtype).eps
 
 
 def parse_args(argv):
@@ -35,19 +72,238 @@ def parse_args(argv):
     p.add_argument("--contexts", default="4096", help="comma-separated context lengths")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--systems", default="autoregressive,speculative,retrieval,triforce")
+    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(OURS + HF)}")
     p.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores: 2K context, 32 tokens, 1 repeat")
     p.add_argument("--out", default=None, help="write results as JSON")
+    p.add_argument("--plot", default=None, help="PNG of tokens/s against context (several contexts; default: "
+                   "--out with .png, else bench.png)")
+    p.add_argument("--accept-ties", action="store_true",
+                   help="do not fail on a transformers run whose tokens diverge only at logit ties (fed our tokens, it "
+                        f"ranks each first or within {TIE_EPS} machine epsilons of the dtype of its top logit: 0.0625 in bf16); "
+                        "still shown as NO in the table")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.new_tokens, args.repeats = "2048", 32, 1
+    if args.new_tokens < 2:
+        raise UserError(f"--new-tokens must be at least 2 (got {args.new_tokens}): the first comes from prefill")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1 (got {args.repeats})")
     args.max_new_tokens = args.new_tokens
-    args.contexts = [int(c) for c in args.contexts.split(",")]
+    try:
+        args.contexts = sorted({int(c) for c in args.contexts.split(",") if c.strip()})
+    except ValueError:
+        raise UserError(f"--contexts '{args.contexts}' must be comma-separated integers, e.g. 4096,16384") from None
+    if not args.contexts or min(args.contexts) <= 0:
+        raise UserError("--contexts needs at least one positive length")
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in OURS + HF]
+    if unknown:
+        raise UserError(f"unknown system(s) {', '.join(unknown)}: choose from {', '.join(OURS + HF)}")
     args.context = max(args.contexts)
     return args
 
 
+# ------------------------------------------------------------------------------------------ hardware
+def session_dtype(args):
+    from speculative.api import resolve_dtype
+
+    return resolve_dtype(args.dtype)
+
+
+def hardware() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "gpu": None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def hardware_line(hw: dict, device) -> str:
+    where = f"GPU {hw['gpu']}" if str(device).startswith("cuda") else "CPU only"
+    return f"{where}; {hw['cpu']}, {hw['cpu_cores']} cores, {hw['torch_threads']} torch threads, torch {hw['torch']}"
+
+
+# ------------------------------------------------------------------------------- bytes per pass model
+def kv_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def weight_bytes(cfg: ModelConfig, elem: int) -> int:
+    from speculative.costmodel import ModelShape
+
+    return ModelShape.from_config(cfg, bytes_per_value=elem).weight_bytes_read
+
+
+class Traffic:
+    """Bytes a pass reads at each level: the weights plus the KV that level's cache holds."""
+
+    def __init__(self, target: ModelConfig, drafter: ModelConfig, elem: int, context: int, new_tokens: int,
+                 cfg):
+        mean_len = context + new_tokens // 2
+        self.full = weight_bytes(target, elem) + kv_bytes_per_token(target, elem) * mean_len
+        self.middle = weight_bytes(target, elem) + kv_bytes_per_token(target, elem) * min(cfg.budget, context)
+        window = min(cfg.sink_tokens + cfg.draft_window, context)
+        self.draft = weight_bytes(drafter, elem) + kv_bytes_per_token(drafter, elem) * window
+        self.assistant_full = weight_bytes(drafter, elem) + kv_bytes_per_token(drafter, elem) * mean_len
+
+    def ours(self, passes: dict) -> int:
+        return passes.get("verify", 0) * self.full + passes.get("middle", 0) * self.middle + passes.get("draft", 0) * self.draft
+
+
+# ------------------------------------------------------------------------------------- transformers
+class HFSystems:
+    """transformers' generate() and assisted generation on the same checkpoint, dtype, device, threads.
+
+    `wrap(model) -> model` is applied to the loaded target (compare_deepspeed.py: a ZeRO-3 engine's module);
+    `assistant=False` loads no drafter."""
+
+    def __init__(self, session, args, model_cfg: ModelConfig, wrap=None, assistant: bool = True):
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.torch, self.args = torch, args
+        self.device = torch.device(session.device)
+        self.target = self._load(AutoModelForCausalLM, args.model, model_cfg, session.dtype, wrap is None)
+        if wrap is not None:
+            self.target = wrap(self.target)
+        self.assistant = None
+        if assistant and session.draft != "self":
+            self.assistant = self._load(AutoModelForCausalLM, session.draft, None, session.dtype)
+        # A clean generation config: no sampling defaults or EOS from the checkpoint; EOS never stops.
+        for m in (self.target, self.assistant):
+            if m is not None:
+                m.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=None, bos_token_id=None)
+        self.calls = {"target": 0, "assistant": 0, "drafted": 0}
+        self.target.register_forward_hook(lambda *a: self._count("target"))
+        if self.assistant is not None:
+            self.assistant.register_forward_hook(lambda *a: self._count("assistant"))
+            self._pending_cache = None
+            original = type(self.assistant).generate
+
+            def generate_with_prompt_cache(*a, **kw):  # hands the assistant its prefilled prompt cache
+                if kw.get("past_key_values") is None and self._pending_cache is not None:
+                    kw["past_key_values"], self._pending_cache = self._pending_cache, None
+                out = original(self.assistant, *a, **kw)
+                seqs = out.sequences if hasattr(out, "sequences") else out
+                self.calls["drafted"] += seqs.shape[1] - kw["input_ids"].shape[1]
+                return out
+
+            self.assistant.generate = generate_with_prompt_cache
+        self.prompt_cache = self.assistant_cache = None
+
+    def _count(self, key):
+        self.calls[key] += 1
+
+    def _load(self, auto, folder, model_cfg, dtype, to_device=True):
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(folder)
+        if model_cfg is not None and model_cfg.rope_scaling:
+            params = dict(getattr(cfg, "rope_parameters", None) or {})
+            params.update(model_cfg.rope_scaling)
+            params.setdefault("rope_theta", model_cfg.rope_theta)
+            cfg.rope_parameters = params
+            cfg.max_position_embeddings = max(cfg.max_position_embeddings, model_cfg.max_positions)
+        model = auto.from_pretrained(folder, config=cfg, dtype=dtype)
+        return (model.to(self.device) if to_device else model).eval().requires_grad_(False)
+
+    def _prefill(self, model, prompt: list[int]):
+        from transformers import DynamicCache
+
+        torch = self.torch
+        cache = DynamicCache(config=model.config)
+        chunk = max(self.args.prefill_chunk, 512)
+        with torch.no_grad():
+            for i in range(0, len(prompt), chunk):
+                ids = torch.tensor([prompt[i:i + chunk]], device=self.device)
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[0, -1]
+
+    def prefill(self, prompt: list[int]) -> tuple[float, int]:
+        """HF's own prefill of the prompt (and the assistant's); returns (seconds, first greedy token)."""
+        start = time.perf_counter()
+        self.prompt_cache, logits = self._prefill(self.target, prompt)
+        if self.assistant is not None:
+            self.assistant_cache, _ = self._prefill(self.assistant, prompt)
+        synchronize(self.device)
+        self.prompt = list(prompt)
+        self.first_logits = logits.float()
+        self.first = int(logits.argmax())
+        return time.perf_counter() - start, self.first
+
+    def teacher_forced(self, reference: list[int]) -> dict:
+        """Feed `reference` (tokens after the prompt) to the target in one pass and list where it does NOT
+        rank the reference token first: {position: logit gap between its top token and the reference token}."""
+        torch = self.torch
+        cache = copy.deepcopy(self.prompt_cache)
+        with torch.no_grad():
+            ids = torch.tensor([reference[:-1]], device=self.device)
+            rows = self.target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+        rows = torch.cat([self.first_logits[None].to(rows.device), rows])
+        gaps = rows.max(dim=-1).values - rows[torch.arange(len(reference)), torch.tensor(reference, device=rows.device)]
+        return {i: float(g) for i, g in enumerate(gaps.tolist()) if g > 0}
+
+    def tie_tolerance(self) -> float:
+        return tie_tolerance(self.target.dtype)
+
+    def generation_config(self, n: int, cfg, scores: bool):
+        from transformers import GenerationConfig
+
+        kw = dict(max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=None,
+                  return_dict_in_generate=True, output_scores=scores)
+        if cfg.temperature > 0:
+            kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)  # 0: off, as ours
+        else:
+            kw.update(do_sample=False)
+        return GenerationConfig(**kw)
+
+    def run(self, system: str, n_tokens: int, cfg, scores: bool = False):
+        """Decode n_tokens - 1 after the prefill's first token. Returns (tokens, seconds, stats, margins)."""
+        torch = self.torch
+        ids = torch.tensor([self.prompt + [self.first]], device=self.device)
+        cache = copy.deepcopy(self.prompt_cache)
+        kw = {}
+        if system == "hf-assisted":
+            self._pending_cache = copy.deepcopy(self.assistant_cache)
+            kw["assistant_model"] = self.assistant
+        gen_cfg = self.generation_config(n_tokens - 1, cfg, scores)
+        torch.manual_seed(cfg.seed)
+        self.calls.update(target=0, assistant=0, drafted=0)
+        synchronize(self.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.target.generate(ids, past_key_values=cache, generation_config=gen_cfg, **kw)
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        tokens = [self.first] + out.sequences[0, ids.shape[1]:].tolist()
+        margins = None
+        if scores and out.scores:
+            top2 = torch.stack([s[0].float().topk(2).values for s in out.scores])
+            margins = (top2[:, 0] - top2[:, 1]).tolist()
+        decode = len(tokens) - 1
+        passes = self.calls["target"]
+        stats = {"passes": {"verify": passes, "draft": self.calls["assistant"]}, "full_passes": passes,
+                 "tokens_per_full_pass": decode / passes if passes else None, "acceptance": {}}
+        if system == "hf-assisted" and self.calls["drafted"]:
+            stats["acceptance"] = {"draft->verify": max(decode - passes, 0) / self.calls["drafted"]}
+        del cache
+        return tokens, seconds, stats, margins
+
+
+# ---------------------------------------------------------------------------------------- our engines
 def run_system(session, mode, cfg, prefilled, max_len):
     gen = Generator(session.loaded.models, cfg, mode, max_len=max_len, prefilled=prefilled)
     synchronize(gen.device)
@@ -57,83 +313,268 @@ def run_system(session, mode, cfg, prefilled, max_len):
     return tokens, time.perf_counter() - start, gen.stats
 
 
-def bench_context(session, args, ids, context):
+def _full_cache_factory(session, cfg):
+    if session.args.offload != "host":
+        return None
+    from offload import full_cache_factory
+
+    return full_cache_factory(device=session.device, prefill_chunk=cfg.prefill_chunk)
+
+
+def first_mismatch(tokens, reference):
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def bench_context(session, args, ids, context, hf=None, hf_skip=None):
+    hf_skip = hf_skip or {}
     prompt = ids[-context:]
     args.mode = "triforce"  # budgets/gammas resolved for the richest mode, used by all
     cfg = generation_config(args, len(prompt), session.console)
     max_len = len(prompt) + args.new_tokens
-    seed_gen = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len)
+    seed_gen = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len,
+                         full_cache_factory=_full_cache_factory(session, cfg))
     progress, advance = prefill_progress(session.console, len(prompt), f"prefill {context}")
     with progress:
         seed_gen.prefill(prompt, progress=advance)
     prefilled = seed_gen.snapshot()
-    systems = args.systems.split(",")
-    results = {s: {"times": [], "stats": None, "tokens": None} for s in systems}
+    systems = [s for s in args.systems if s in OURS or (hf is not None and s in HF and s not in hf_skip)]
+    hf_prefill = None
+    if hf is not None and any(s in HF for s in systems):
+        with session.console.status(f"transformers prefill {context}"):
+            hf_prefill, _ = hf.prefill(prompt)
+    results = {s: {"times": [], "stats": None, "tokens": None, "margins": None} for s in systems}
     for rep in range(args.repeats + 1):  # repetition 0 is the warm-up
         for mode in systems:
-            tokens, seconds, stats = run_system(session, mode, cfg, prefilled, max_len)
+            if mode in HF:
+                tokens, seconds, stats, margins = hf.run(mode, args.new_tokens, cfg, scores=rep == 0)
+            else:
+                tokens, seconds, stats = run_system(session, mode, cfg, prefilled, max_len)
+                stats, margins = stats.to_dict(), None
+            session.console.print(f"  [dim]{context} {'warm-up' if rep == 0 else f'rep {rep}'} {mode}: "
+                                  f"{(len(tokens) - 1) / seconds:.2f} tok/s[/]")
             if rep == 0:
-                results[mode]["tokens"] = tokens
+                results[mode]["tokens"], results[mode]["margins"] = tokens, margins
                 continue
             results[mode]["times"].append(seconds)
             results[mode]["stats"] = stats
     reference = results.get("autoregressive", {}).get("tokens")
+    drafter_cfg = session.loaded.models.drafter.cfg if session.loaded.models.drafter is not None else session.config
+    elem = 2 if str(session.dtype).endswith(("bfloat16", "float16")) else 4
+    traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), args.new_tokens, cfg)
     rows = []
     for mode in systems:
         r = results[mode]
         seconds = statistics.median(r["times"])
-        stats = r["stats"].to_dict()
-        rows.append({
+        stats = r["stats"]
+        decode = len(r["tokens"]) - 1
+        if mode == "hf-generate":
+            read = stats["full_passes"] * traffic.full
+        elif mode == "hf-assisted":
+            read = stats["full_passes"] * traffic.full + stats["passes"]["draft"] * traffic.assistant_full
+        else:
+            read = traffic.ours(stats["passes"])
+        same = None if reference is None or cfg.temperature > 0 else r["tokens"] == reference
+        row = {
             "context": context, "system": mode, "new_tokens": len(r["tokens"]),
-            "tokens_per_second": (len(r["tokens"]) - 1) / seconds,
+            "tokens_per_second": decode / seconds, "seconds_median": seconds, "seconds_all": r["times"],
             "acceptance": stats["acceptance"], "tokens_per_full_pass": stats["tokens_per_full_pass"],
-            "passes": stats["passes"], "seconds": stats["seconds"], "bytes_moved": stats["bytes_moved"],
-            "prefill_seconds": prefilled.prefill_seconds,
-            "same_tokens": None if reference is None or cfg.temperature > 0 else r["tokens"] == reference,
-        })
+            "passes": stats["passes"], "bytes_read_per_token": read / max(decode, 1),
+            "bytes_moved_per_token": None if stats.get("bytes_moved") is None else stats["bytes_moved"] / max(decode, 1),
+            "prefill_seconds": hf_prefill if mode in HF else prefilled.prefill_seconds,
+            "same_tokens": same, "budget": cfg.budget, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
+            "rope_scaling": session.config.rope_scaling,
+        }
+        if mode not in OURS:
+            row["seconds"] = None
+        else:
+            row["seconds"] = stats["seconds"]
+        if same is False:
+            at = first_mismatch(r["tokens"], reference)
+            row["first_mismatch"] = at
+            if r["margins"] is not None and at is not None and 0 < at <= len(r["margins"]):
+                row["top2_margin_at_mismatch"] = r["margins"][at - 1]  # scores[i] picked tokens[i + 1]
+            if mode in HF:  # does transformers' model rank our tokens first everywhere (ties aside)?
+                disagree = hf.teacher_forced(reference)
+                row["teacher_forced_disagreements"] = disagree
+                row["tie_only"] = all(gap <= hf.tie_tolerance() for gap in disagree.values())
+        rows.append(row)
+    for mode in args.systems:
+        if mode in HF and (hf is None or mode in hf_skip):
+            rows.append({"context": context, "system": mode, "tokens_per_second": None, "same_tokens": None,
+                         "skipped": hf_skip.get(mode, "transformers systems not run")})
     base = next((row["tokens_per_second"] for row in rows if row["system"] == "autoregressive"), None)
+    hf_base = next((row["tokens_per_second"] for row in rows if row["system"] == "hf-generate"), None)
     for row in rows:
-        row["speedup"] = row["tokens_per_second"] / base if base else None
+        tps = row["tokens_per_second"]
+        row["speedup"] = tps / base if base and tps else None
+        row["speedup_vs_hf_generate"] = tps / hf_base if hf_base and tps else None
     return rows, cfg
 
 
-def print_table(console, rows):
+# ------------------------------------------------------------------------------------------- output
+def _mib(x):
+    return "-" if x is None else f"{x / 2**20:,.1f}"
+
+
+def print_table(console, rows, title="decode throughput, side by side"):
     from rich.table import Table
 
-    table = Table(title="decode throughput, side by side")
-    for col in ("context", "system", "tok/s", "speedup", "acceptance", "tok/full pass", "same tokens"):
+    table = Table(title=title)
+    for col in ("context", "system", "tok/s", "vs ours AR", "vs HF generate", "acceptance", "tok/full pass",
+                "MiB read/tok (model)", "MiB moved/tok", "same tokens"):
         table.add_column(col, justify="right")
     for r in rows:
-        acc = ", ".join(f"{k} {v:.2f}" for k, v in r["acceptance"].items() if v is not None) or "-"
+        if r.get("skipped"):
+            table.add_row(str(r["context"]), r["system"], "-", "-", "-", f"[yellow]{r['skipped'].split(',')[0]}[/]", "-", "-",
+                          "-", "-")
+            continue
+        acc = ", ".join(f"{k} {v:.2f}" for k, v in (r["acceptance"] or {}).items() if v is not None) or "-"
         same = {None: "-", True: "yes", False: "[red]NO[/]"}[r["same_tokens"]]
+        if r["same_tokens"] is False and r.get("first_mismatch") is not None:
+            same += f" [red](token {r['first_mismatch']}"
+            if r.get("top2_margin_at_mismatch") is not None:
+                same += f", HF top-2 gap {r['top2_margin_at_mismatch']:.3f}"
+            if r.get("tie_only"):
+                same += "; ties only"
+            same += ")[/]"
         table.add_row(str(r["context"]), r["system"], f"{r['tokens_per_second']:.2f}",
-                      f"{r['speedup']:.2f}x" if r["speedup"] else "-", acc,
-                      f"{r['tokens_per_full_pass']:.2f}" if r["tokens_per_full_pass"] else "-", same)
+                      f"{r['speedup']:.2f}x" if r["speedup"] else "-",
+                      f"{r['speedup_vs_hf_generate']:.2f}x" if r["speedup_vs_hf_generate"] else "-", acc,
+                      f"{r['tokens_per_full_pass']:.2f}" if r["tokens_per_full_pass"] else "-",
+                      _mib(r["bytes_read_per_token"]), _mib(r["bytes_moved_per_token"]), same)
     console.print(table)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    text = read_text(args.prompt_file or BOOK)
-    session = open_session(args, text)
-    ids = session.prompt_ids
-    rows = []
-    for context in args.contexts:
-        if context > len(ids):
-            session.console.print(f"[yellow]skip:[/] the book has only {len(ids)} tokens (< {context})")
-            continue
-        new_rows, cfg = bench_context(session, args, ids, context)
-        rows += new_rows
-        print_table(session.console, new_rows)
+def wide(console):
+    """The console itself on a terminal; redirected to a file or pipe, one that does not wrap the table."""
     from rich.console import Console
 
-    print_table(Console(), rows)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "model": args.model, "draft": session.draft,
-                                              "dtype": args.dtype, "threads": __import__("torch").get_num_threads()}, indent=2))
+    if console.is_terminal:
+        return console
+    return Console(file=console.file, width=200, quiet=console.quiet)
+
+
+def plot(rows, path: Path, title: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    systems = list(dict.fromkeys(r["system"] for r in rows if r.get("tokens_per_second")))
+    for s in systems:
+        pts = sorted((r["context"], r["tokens_per_second"]) for r in rows if r["system"] == s and r.get("tokens_per_second"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s,
+                linestyle="-" if s in OURS else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["context"] for r in rows}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{int(x):,}"))
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+# ---------------------------------------------------------------------------------------------- main
+def rope_groups(args) -> list[tuple[dict | None, list[int]]]:
+    """Contexts grouped by the RoPE scaling each needs (context + new tokens), in order."""
+    base = ModelConfig.from_folder(args.model)
+    groups: dict = {}
+    for c in args.contexts:
+        scaling = resolve_rope(base, c + args.new_tokens, args.rope_scaling).rope_scaling
+        groups.setdefault(json.dumps(scaling, sort_keys=True), []).append(c)
+    return [(json.loads(k), v) for k, v in groups.items()]
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+
+    args = parse_args(argv)
+    text = read_text(args.prompt_file or BOOK)
+    groups = rope_groups(args)
+    rows, session, meta = [], None, {}
+    for scaling, contexts in groups:
+        if session is not None:  # a different RoPE scaling: free the previous models before loading
+            session.close()
+            session = None
+            gc.collect()
+        args.context = max(contexts)
+        session = open_session(args, text)
+        if len(groups) > 1:
+            session.console.print(f"[bold]contexts {', '.join(map(str, contexts))}[/]: RoPE scaling "
+                                  f"{scaling or 'none'} (models loaded for these contexts)")
+        hf, hf_skip = None, {}
+        if any(s in HF for s in args.systems):
+            if session.dist is not None:
+                hf_skip = {s: "not run under tensor parallelism" for s in HF}
+            else:
+                if session.draft == "self":
+                    hf_skip["hf-assisted"] = "n/a: --draft self, no drafter model to pass as assistant_model"
+                with session.console.status("loading the model(s) into transformers"):
+                    hf = HFSystems(session, args, session.config)
+        ids = session.prompt_ids
+        for context in contexts:
+            if context > len(ids):
+                session.console.print(f"[yellow]skip:[/] the book has only {len(ids)} tokens (< {context})")
+                continue
+            new_rows, cfg = bench_context(session, args, ids, context, hf, hf_skip)
+            rows += new_rows
+            print_table(wide(session.console), new_rows)
+        meta = {"model": args.model, "draft": session.draft, "dtype": args.dtype, "device": str(session.device)}
+        hf = None
+    hw = hardware()
+    line = hardware_line(hw, meta.get("device", "cpu"))
+    out_console = wide(Console())
+    print_table(out_console, rows, title=f"decode throughput, side by side — {Path(args.model).name}, {args.dtype}; {line}")
+    messages = []
+    if args.out or len({r["context"] for r in rows}) > 1:
+        import transformers
+
+        report = {"rows": rows, **meta, "threads": hw["torch_threads"], "hardware": hw,
+                  "hardware_line": line, "transformers": transformers.__version__,
+                  "settings": {"new_tokens": args.new_tokens, "repeats": args.repeats, "contexts": args.contexts,
+                               "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+                               "prompt_file": str(args.prompt_file or BOOK), "offload": args.offload,
+                               "hf_assisted_defaults": {"num_assistant_tokens": 20, "schedule": "constant",
+                                                        "assistant_confidence_threshold": 0.4}},
+                  "notes": {"bytes_read_per_token": "modelled: weights + KV each pass reads, from counted passes",
+                            "bytes_moved_per_token": "measured host->device copies (--offload host only)",
+                            "timing": "decode only (first token from prefill), median over repetitions after a warm-up"}}
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+            messages.append(f"results: {args.out}")
+    if len({r["context"] for r in rows}) > 1:
+        path = Path(args.plot) if args.plot else (Path(args.out).with_suffix(".png") if args.out else Path("bench.png"))
+        messages.append(plot(rows, path, f"{Path(args.model).name} ({args.dtype}, greedy={args.temperature == 0}): "
+                                         f"{line}"))
+    for m in messages:
+        print(m)
+    if session is not None:
+        session.close()
     mismatches = [r for r in rows if r["same_tokens"] is False]
+    ties = [r for r in mismatches if r.get("tie_only")]
+    if ties:
+        print(f"note: {', '.join(r['system'] + '@' + str(r['context']) for r in ties)} diverged only at logit ties: fed our "
+              f"autoregressive tokens, transformers ranks each first or within {tie_tolerance(session_dtype(args)):.2g} "
+              f"logits ({TIE_EPS} {args.dtype} epsilons) of its top token; use --dtype float32 for an exact-token "
+              f"comparison" +
+              (" (--accept-ties: not counted as failures)" if args.accept_ties else ""), file=sys.stderr)
+        if args.accept_ties:
+            mismatches = [r for r in mismatches if not r.get("tie_only")]
     if mismatches:
-        print(f"error: {len(mismatches)} system(s) generated different tokens than autoregressive greedy", file=sys.stderr)
+        names = ", ".join(f"{r['system']}@{r['context']}" for r in mismatches)
+        print(f"error: {len(mismatches)} system(s) generated different tokens than autoregressive greedy: {names}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,124 @@
+"""The bench harness end to end on tiny random models: rows, JSON, greedy token equality, the plot."""
+import json
+import random
+
+import pytest
+
+from scripts import bench
+
+from .conftest import save_tiny, save_tokenizer
+
+SYSTEMS = "autoregressive,speculative,retrieval,triforce,hf-generate"
+
+
+def _prompt(path, n=400, seed=0):
+    rng = random.Random(seed)
+    path.write_text(" ".join(f"t{rng.randrange(2, 64)}" for _ in range(n)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target, drafter = root / "target", root / "drafter"
+    save_tiny(target, seed=1, vocab=64, max_pos=160)  # 256 + new tokens needs YaRN: a reload per scaling
+    save_tokenizer(target, vocab=64)
+    save_tiny(drafter, seed=2, vocab=64, layers=1)
+    save_tokenizer(drafter, vocab=64)
+    return target, drafter, _prompt(root / "book.txt")
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "bench.json"
+    common = ["--new-tokens", "12", "--repeats", "1", "--budget", "64", "--threads", "1", "--out", str(out)]
+    rc = bench.main([*common, *extra])
+    return rc, json.loads(out.read_text())
+
+
+def test_bench_self_draft_with_hf_generate(tmp_path, models):
+    target, _, book = models
+    rc, data = _run(tmp_path, "--model", str(target), "--draft", "self", "--prompt-file", str(book),
+                    "--contexts", "128,256", "--systems", SYSTEMS + ",hf-assisted")
+    assert rc == 0
+    rows = data["rows"]
+    for context in (128, 256):
+        got = {r["system"]: r for r in rows if r["context"] == context}
+        assert set(got) == set(SYSTEMS.split(",")) | {"hf-assisted"}
+        for name in SYSTEMS.split(","):
+            r = got[name]
+            assert r["same_tokens"] is True, (name, context)
+            assert r["new_tokens"] == 12 and r["tokens_per_second"] > 0 and r["bytes_read_per_token"] > 0
+            assert r["speedup_vs_hf_generate"] > 0 and r["speedup"] > 0
+        assert "no drafter model" in got["hf-assisted"]["skipped"]  # --draft self: nothing to hand HF
+        assert got["autoregressive"]["tokens_per_full_pass"] == pytest.approx(1.0)
+        assert got["hf-generate"]["tokens_per_full_pass"] == pytest.approx(1.0)  # one forward per token
+        assert got["triforce"]["acceptance"]["middle->verify"] is not None
+        scaling = got["hf-generate"]["rope_scaling"]
+        assert (scaling is None) == (context == 128)  # each context with the RoPE scaling its length needs
+        if scaling:
+            assert scaling["rope_type"] == "yarn" and scaling["factor"] == 1.75  # (256 + 12) / 160, in 0.25 steps
+    assert data["hardware"]["cpu_cores"] >= 1 and "CPU only" in data["hardware_line"]
+    png = tmp_path / "bench.png"  # several contexts: a plot next to the JSON (when matplotlib is there)
+    pytest.importorskip("matplotlib")
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_assisted_with_a_drafter(tmp_path, models):
+    target, drafter, book = models
+    rc, data = _run(tmp_path, "--model", str(target), "--draft", str(drafter), "--prompt-file", str(book),
+                    "--contexts", "200", "--systems", "autoregressive,triforce,hf-generate,hf-assisted")
+    assert rc == 0
+    got = {r["system"]: r for r in data["rows"]}
+    assert set(got) == {"autoregressive", "triforce", "hf-generate", "hf-assisted"}
+    assert all(r["same_tokens"] is True for r in got.values())
+    assisted = got["hf-assisted"]
+    assert assisted["passes"]["draft"] > 0 and 0 <= assisted["acceptance"]["draft->verify"] <= 1
+    assert assisted["tokens_per_full_pass"] >= 1
+
+
+def test_bench_rejects_unknown_system(tmp_path, models, capsys):
+    from scripts.common import run_cli
+
+    target, _, book = models
+    rc = run_cli(bench.main, ["--model", str(target), "--prompt-file", str(book), "--systems", "autoregressive,vllm"])
+    assert rc == 2 and "unknown system(s) vllm" in capsys.readouterr().err
+
+
+def test_compare_deepspeed_says_in_one_line_why_it_cannot_run(tmp_path, models, monkeypatch, capsys):
+    import sys
+
+    from scripts import compare_deepspeed
+    from scripts.common import run_cli
+
+    target, _, book = models
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored after the test
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: import raises ImportError
+    rc = run_cli(compare_deepspeed.main, ["--model", str(target), "--prompt-file", str(book), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "DeepSpeed ZeRO-Inference cannot run here: deepspeed is not installed" in err[0]
+
+
+def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
+    """The tie diagnostic: transformers fed its own greedy tokens ranks every one of them first."""
+    from scripts.session import open_session
+    from speculative import GenerationConfig
+
+    target, _, book = models
+    args = bench.parse_args(["--model", str(target), "--draft", "self", "--prompt-file", str(book), "--contexts", "64",
+                             "--new-tokens", "10", "--threads", "1"])
+    session = open_session(args, book.read_text())
+    hf = bench.HFSystems(session, args, session.config)
+    hf.prefill(session.prompt_ids[-64:])
+    tokens, _, stats, margins = hf.run("hf-generate", 10, GenerationConfig(max_new_tokens=10), scores=True)
+    assert len(tokens) == 10 and len(margins) == 9 and stats["full_passes"] == 9
+    assert hf.teacher_forced(tokens) == {}
+    other = tokens[:5] + [(tokens[5] + 1) % 64] + tokens[6:]  # a token it would not pick
+    assert 5 in hf.teacher_forced(other)
+
+
+def test_tie_tolerance_is_a_few_epsilons_of_the_dtype():
+    import torch
+
+    assert bench.tie_tolerance(torch.bfloat16) == 0.0625
+    assert bench.tie_tolerance(torch.float32) < 1e-5
