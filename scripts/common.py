@@ -173,28 +173,43 @@ def prefill_progress(console, total: int, label: str = "prefill"):
 
 def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
     """Run a front end: user errors become one line on stderr, Ctrl-C a clean exit."""
-    from speculative import UserError
-
     import signal
 
-    def terminate(signum, frame):  # SIGTERM ends the run like Ctrl-C: cleanly, with a message
-        raise KeyboardInterrupt
+    from speculative import UserError
+
+    working = [True]  # SIGTERM interrupts the work once; after that (or after the work ended) it just exits
+
+    def terminate(signum, frame):
+        if working[0]:
+            working[0] = False
+            raise KeyboardInterrupt
+        # torchrun stops the other workers when one fails, often while they already unwind or
+        # run atexit hooks: leave quietly instead of raising inside interpreter shutdown
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(128 + signum)
 
     if threading_main():
         signal.signal(signal.SIGTERM, terminate)
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
-        return main(argv)
+        code = main(argv)
+        working[0] = False
+        return code
     except UserError as e:
+        working[0] = False
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        working[0] = False
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every worker is stopped: say it once
+            print("interrupted", file=sys.stderr)
         return 130
     except MemoryError:
+        working[0] = False
         print("error: out of memory; lower --context, --budget or use --dtype bfloat16", file=sys.stderr)
         return 2
     except Exception as e:  # a bug: one line unless --debug
+        working[0] = False
         if debug:
             raise
         print(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)

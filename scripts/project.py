@@ -120,7 +120,7 @@ def print_measured(console, measured):
     t = Table(title=f"{LABEL}: the published settings with this project's measured acceptance")
     for col in ("measured on", "a_middle", "a_draft", "setting", "model", "gamma2", "tok/verif.",
                 "projected", "projected baseline", "speedup", "published TriForce"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", no_wrap=col == "measured on")
     for m in measured:
         src = f"{Path(str(m['model'])).name} {m['system']} @ {m['context']}"
         for gamma2 in sorted({None, m["gamma2"]} - {None}, key=lambda g: g or 0) + [None]:

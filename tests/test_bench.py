@@ -117,8 +117,8 @@ def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
     assert 5 in hf.teacher_forced(other)
 
 
-def test_tie_tolerance_is_a_few_epsilons_of_the_dtype():
+def test_ties_are_gaps_of_a_few_ulps_of_the_dtype():
     import torch
 
-    assert bench.tie_tolerance(torch.bfloat16) == 0.0625
-    assert bench.tie_tolerance(torch.float32) < 1e-5
+    assert bench.ulps_at(torch.tensor([20.0, -1.5, 0.7]), torch.bfloat16).tolist() == [0.125, 2 ** -7, 2 ** -8]
+    assert bench.ties_only({}) and bench.ties_only({13: [0.375, 3.0]}) and not bench.ties_only({13: [2.0, 16.0]})
