@@ -54,13 +54,29 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     rep = Hq // Hkv
     # rows ordered (kv head, query head in group, token): one matmul per KV head reads its keys once
     grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
-    scores = torch.matmul(grouped, keys.transpose(1, 2)).float() * D ** -0.5
-    if T > 1:  # only the last T keys can be in a query's future
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1).repeat(rep, 1)
-        scores[:, :, S - T:].masked_fill_(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)  # (Hkv, rep*T, D)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1).repeat(rep, 1) if T > 1 else None
+    if q.is_cuda:  # cuBLAS takes the cache's strided batch of heads as it is
+        out = _attend_rows(grouped, keys, values, future)
+    else:  # CPU bf16 bmm copies a strided batch (a layer's whole live KV, every pass); 2-D GEMMs do not
+        out = torch.stack([_attend_rows(grouped[h], keys[h], values[h], future) for h in range(Hkv)])
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+def _attend_rows(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future) -> torch.Tensor:
+    """softmax(rows . keys^T / sqrt(D)) . values for (..., R, D) rows against (..., S, D) keys.
+
+    The scale rides in the GEMM (alpha, applied to the fp32 accumulator) and softmax runs on the
+    scores in their own dtype (it accumulates in fp32 inside): each extra elementwise pass over
+    the (R x S) scores costs about as much as reading the keys once at long context, and it grows
+    with the number of verified tokens while the key read does not.
+    """
+    S, D = keys.shape[-2:]
+    scores = rows.new_empty(*rows.shape[:-1], S)
+    gemm = scores.addmm_ if rows.dim() == 2 else scores.baddbmm_
+    gemm(rows, keys.transpose(-1, -2), beta=0, alpha=D ** -0.5)
+    if future is not None:  # only the last T keys can be in a query's future
+        scores[..., S - future.shape[1]:].masked_fill_(future, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
 def _attend_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""Where the time goes, and which settings pay: one prefill, then a grid of engine settings.
+
+    python scripts/sweep.py --context 32768 --modes retrieval,triforce --budgets 1024,2048,4096 --gamma2s 3,4,6
+
+Prefills the prompt once (a real book) and runs, for every (mode, budget, gamma1, gamma2) in the grid,
+the same number of new tokens from that prefill, alternating with the autoregressive reference so
+drift hits all alike. Per setting: acceptance at each level, tokens per full-cache pass, milliseconds
+per pass of each level (draft / middle / verify), tokens/s and speedup over autoregressive. Greedy
+runs are checked token for token against the reference (a mismatch exits 1). This is the data the
+defaults in scripts/common.py were chosen from (README, "Choosing the defaults").
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.bench import BOOK, first_mismatch, run_system, wide  # noqa: E402
+from scripts.common import add_engine_args, add_model_args, generation_config, prefill_progress, read_text, run_cli  # noqa: E402
+from scripts.session import open_session  # noqa: E402
+from speculative import Generator, UserError  # noqa: E402
+
+LEVELS = ("draft", "middle", "verify")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_engine_args(p)
+    p.add_argument("--prompt-file", help="a book (default: the embedded book prefix)")
+    p.add_argument("--modes", default="retrieval,triforce", help="comma-separated engines to sweep")
+    p.add_argument("--budgets", default="", help="retrieval budgets (default: --budget or the default)")
+    p.add_argument("--gamma1s", default="", help="drafter lengths (default: --gamma1)")
+    p.add_argument("--gamma2s", default="", help="middle lengths (default: --gamma2)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (after one warm-up)")
+    p.add_argument("--out", help="write the rows as JSON")
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    args.max_new_tokens = args.new_tokens
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.grid = {name: _ints(getattr(args, name), name) for name in ("budgets", "gamma1s", "gamma2s")}
+    return args
+
+
+def _ints(text: str, name: str) -> list[int | None]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--{name} '{text}' must be comma-separated integers") from None
+    return values or [None]
+
+
+def settings(args, base):
+    """Every engine configuration of the grid, as (mode, GenerationConfig)."""
+    for mode, budget, g1, g2 in itertools.product(args.modes, *args.grid.values()):
+        cfg = replace(base, budget=budget or base.budget, gamma1=g1 or base.gamma1, gamma2=g2 or base.gamma2)
+        if mode == "retrieval" and g1 not in (None, args.grid["gamma1s"][0]):
+            continue  # gamma1 plays no part without a drafter
+        if mode == "speculative" and budget not in (None, args.grid["budgets"][0]):
+            continue  # nor does the budget without a retrieval level
+        yield mode, cfg
+
+
+def timed(session, mode, cfg, prefilled, max_len, repeats):
+    runs = [run_system(session, mode, cfg, prefilled, max_len) for _ in range(repeats + 1)][1:]
+    tokens, _, stats = runs[0]
+    seconds = statistics.median(r[1] for r in runs)
+    return tokens, seconds, stats
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    session = open_session(args, read_text(args.prompt_file or BOOK))
+    prompt = session.prompt_ids
+    args.mode = "triforce"
+    base = generation_config(args, len(prompt), session.console)
+    max_len = len(prompt) + args.new_tokens
+    seed = Generator(session.loaded.models, base, "autoregressive", max_len=max_len)
+    progress, advance = prefill_progress(session.console, len(prompt), f"prefill {len(prompt)}")
+    with progress:
+        seed.prefill(prompt, progress=advance)
+    prefilled = seed.snapshot()
+    reference, ar_seconds, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
+    rows, failed = [], False
+    for mode, cfg in settings(args, base):
+        tokens, seconds, stats = timed(session, mode, cfg, prefilled, max_len, args.repeats)
+        _, ar_again, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
+        ar = statistics.median([ar_seconds, ar_again])
+        same = first_mismatch(tokens, reference) is None if cfg.temperature == 0 else None
+        failed |= same is False
+        d = stats.to_dict()
+        rows.append({"mode": mode, "budget": cfg.budget, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
+                     "acceptance": d["acceptance"], "tokens_per_full_pass": d["tokens_per_full_pass"],
+                     "ms_per_pass": {lv: 1e3 * d["seconds"][lv] / d["passes"][lv] for lv in LEVELS if d["passes"][lv]},
+                     "tokens_per_second": (len(tokens) - 1) / seconds, "speedup": ar / seconds,
+                     "autoregressive_ms_per_token": 1e3 * ar / (len(reference) - 1), "same_tokens": same})
+        session.console.print(f"  [dim]{mode} budget {cfg.budget} gammas {cfg.gamma1}/{cfg.gamma2}: "
+                              f"{rows[-1]['speedup']:.2f}x[/]")
+    import torch
+
+    print_rows(session.console, rows, f"{Path(args.model).name} ({args.dtype}), context {len(prompt)}, "
+                                      f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"context": len(prompt), "rows": rows}, indent=2))
+    if failed:
+        print("error: a greedy run differs from autoregressive decoding (see 'same' column)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_rows(console, rows, title):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("mode", "budget", "γ1", "γ2", "acc. draft", "acc. middle", "tok/full pass", "ms/pass draft",
+                "ms/pass middle", "ms/pass verify", "AR ms/token", "tok/s", "speedup", "same"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        acc = r["acceptance"]
+        t.add_row(r["mode"], str(r["budget"]), str(r["gamma1"]), str(r["gamma2"]),
+                  *(_fmt(acc.get(k)) for k in ("draft->middle" if r["mode"] == "triforce" else "draft->verify",
+                                               "middle->verify")),
+                  _fmt(r["tokens_per_full_pass"]), *(_fmt(r["ms_per_pass"].get(lv), 1) for lv in LEVELS),
+                  _fmt(r["autoregressive_ms_per_token"], 1), _fmt(r["tokens_per_second"]), f"{r['speedup']:.2f}x",
+                  {True: "yes", False: "[red]NO[/]", None: "-"}[r["same_tokens"]])
+    wide(console).print(t)
+
+
+def _fmt(value, digits=2):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def cli() -> int:
+    return run_cli(main)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
