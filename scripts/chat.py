@@ -71,10 +71,10 @@ def parse_args(argv):
     g.add_argument("--show-levels", action="store_true", help="colour each token by the level that produced it")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)
-    if args.room < 1:
-        p.error(f"--room must be positive (got {args.room})")
+    if args.room < 1:  # a UserError, like every other refused setting: one line starting "error:"
+        raise UserError(f"--room must be a positive number of tokens (got {args.room})")
     if args.context is not None and args.context < 1:
-        p.error(f"--context must be positive (got {args.context})")
+        raise UserError(f"--context must be positive (got {args.context})")
     return args
 
 
@@ -172,11 +172,12 @@ def context_limit(args) -> int:
     return resolve_rope(cfg, 0, args.rope_scaling).max_positions
 
 
-def prepare_book(args, tok, console, interactive: bool) -> Book:
-    """Read, tokenize and wrap the book; tell the user its size and whether it fits. It is never cut
-    silently: a book too long is an error naming --context, or, at a terminal, a question."""
+def prepare_book(args, tok, console, interactive: bool, text: str | None = None) -> Book:
+    """Read (unless `text` is the book, already read), tokenize and wrap the book; tell the user its
+    size and whether it fits. It is never cut silently: a book too long is an error naming
+    --context, or, at a terminal, a question."""
     path = Path(args.book)
-    text = read_text(path, "book")
+    text = read_text(path, "book") if text is None else text
     ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
     book = wrap_book(tok, path.name, digest, ids, args.context)
@@ -546,15 +547,16 @@ def start(args, interactive: bool | None = None) -> Chat:
     """Everything before the first question: book, model, and the book's KV cache."""
     console = Console(stderr=True, quiet=int(os.environ.get("RANK", "0")) != 0)
     ModelConfig.from_folder(args.model)  # a missing or broken model folder: one clear line, before any work
+    text = read_text(args.book, "book")  # so is a bad book file: before the tokenizer's slow import
     tok = load_tokenizer(args.model)
     if interactive is None:
         interactive = sys.stdin.isatty() and int(os.environ.get("WORLD_SIZE", "1")) == 1
-    book = prepare_book(args, tok, console, interactive)
+    book = prepare_book(args, tok, console, interactive, text)
     total = len(book.prompt) + args.room
     # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
     # that is the book plus the conversation's room, and the book is already cut to --context
+    cfg = generation_config(args, len(book.prompt), console)  # bad settings are refused before the weights load
     session = open_session(argparse.Namespace(**{**vars(args), "max_new_tokens": total, "context": None}), None)
-    cfg = generation_config(args, len(book.prompt), console)
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(args, session, gen, book, console)
     chat = Chat(gen, session.tokenizer, book, queries, stop_ids(tok, book.fmt, args.model), session)

@@ -62,24 +62,30 @@ DEFAULT_GAMMAS = {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6)
 
 def generation_config(args, prompt_len: int, console=None):
     """GenerationConfig from flags. A default budget shrinks to fit a short prompt (said on stderr);
-    a budget the user chose is checked as given."""
+    a budget the user chose is checked as given, against the prompt too, so it is refused before
+    the models load rather than when prefill starts."""
     from speculative import GenerationConfig
+    from speculative.retrieval import check_budget
 
     g1, g2 = DEFAULT_GAMMAS[args.mode]
     budget = args.budget
+    retrieves = args.mode in ("retrieval", "triforce")
     if budget is None:
         budget = DEFAULT_BUDGET
-        if args.mode in ("retrieval", "triforce") and budget >= prompt_len:
+        if retrieves and budget >= prompt_len and args.chunk_size > 0:  # a chunk size <= 0 is refused below
             budget = max(3 * args.chunk_size, (prompt_len // 2) // args.chunk_size * args.chunk_size)
             if console:
                 console.print(f"[yellow]note:[/] prompt has {prompt_len} tokens; retrieval budget set to {budget}")
-    return GenerationConfig(
+    cfg = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, budget=budget, chunk_size=args.chunk_size,
         gamma1=args.gamma1 if args.gamma1 is not None else max(g1, 1),
         gamma2=args.gamma2 if args.gamma2 is not None else max(g2, 1),
         draft_window=args.draft_window, sink_tokens=args.sinks, rebuild_threshold=args.rebuild_threshold,
         prefill_chunk=args.prefill_chunk)
+    if retrieves:
+        check_budget(cfg.budget, cfg.chunk_size, prompt_len)
+    return cfg
 
 
 def resolve_draft(model: str, draft: str | None) -> str:
@@ -147,11 +153,17 @@ def read_text(path: str | Path, what: str = "prompt file") -> str:
 def pick_device(spec: str):
     import torch
 
+    from speculative import UserError
+
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        from speculative import UserError
-
+    try:
+        kind = torch.device(spec).type
+    except RuntimeError:  # torch lists every backend it knows; only two are served here
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"--device {spec} not understood: use cpu, cuda, cuda:N or auto")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
     return spec
 

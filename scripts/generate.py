@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.common import (DEFAULT_PROMPT_FILE, add_engine_args, add_model_args, generation_config,  # noqa: E402
                             prefill_progress, read_text, run_cli)
-from scripts.session import open_session  # noqa: E402
 
 
 def parse_args(argv):
@@ -39,10 +38,14 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
-    session = open_session(args, text)
+    # torch is imported here, under run_cli, so a Ctrl-C during its import is a clean "interrupted"
+    from scripts.session import Session
+
+    session = Session(args, text)
     console, out = session.console, session.stdout
     ids = session.prompt_ids
-    cfg = generation_config(args, len(ids), console)
+    cfg = generation_config(args, len(ids), console)  # bad settings are refused before the weights load
+    session.load()
     gen = session.generator(cfg, max_len=len(ids) + args.max_new_tokens)
 
     progress, advance = prefill_progress(console, len(ids))

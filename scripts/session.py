@@ -15,12 +15,23 @@ from rich.table import Table
 from scripts.common import pick_device, resolve_draft, resolve_rope
 from speculative import Generator, ModelConfig, UserError
 from speculative.api import load, resolve_dtype
-from speculative.loader import load_tokenizer
+from speculative.loader import check_shardable, load_tokenizer
 
 AUTO_ROPE_MAX_FACTOR = 32
 
 
+HOST_MEMORY_ENV = "SPEC_HOST_MEMORY_BYTES"  # pretend this much host memory is available (for tests)
+
+
 def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or SPEC_HOST_MEMORY_BYTES when set: the tests use it to
+    exercise the refusal deterministically, on any machine."""
+    override = os.environ.get(HOST_MEMORY_ENV)
+    if override is not None:
+        try:
+            return int(override)
+        except ValueError:
+            raise UserError(f"{HOST_MEMORY_ENV}={override!r} is not a number of bytes; unset it") from None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -31,8 +42,12 @@ def host_available_bytes() -> int | None:
 
 
 class Session:
+    """Construction checks everything that is cheap to check (flags, model config, tokenizer, prompt,
+    positions, host memory), so a mistake is refused before `load` reads any weights."""
+
     def __init__(self, args, text: str | None):
         self.args = args
+        check_flags(args)
         if args.threads:
             torch.set_num_threads(args.threads)
         self.dist = _setup_parallel(args)
@@ -43,6 +58,7 @@ class Session:
         self.dtype = resolve_dtype(args.dtype)
         self.draft = resolve_draft(args.model, args.draft)
         base_cfg = ModelConfig.from_folder(args.model)
+        check_shardable(base_cfg, self.dist.world_size if self.dist else 1)
         self.tokenizer = load_tokenizer(args.model)
         self.prompt_ids = self.encode(text) if text is not None else []
         needed = len(self.prompt_ids) + args.max_new_tokens
@@ -52,12 +68,17 @@ class Session:
                             f"{max(limit, base_cfg.max_positions)} positions this model supports; lower --context")
         self.config = resolve_rope(base_cfg, needed, args.rope_scaling, self.console)
         self._check_host_memory(needed)
+        self.needed = needed
+
+    def load(self) -> "Session":
+        args = self.args
         with self.console.status(f"loading {args.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
             self.loaded = load(args.model, self.draft, self.dtype, self.device, target_config=self.config,
-                               max_len=needed, rank=self.dist.rank if self.dist else 0,
+                               max_len=self.needed, rank=self.dist.rank if self.dist else 0,
                                world_size=self.dist.world_size if self.dist else 1)
         if self.dist:
             self.dist.attach(self.loaded.models.target)
+        return self
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -82,9 +103,8 @@ class Session:
         need = params * elem * (1 if self.draft == "self" else 1.5) + kv
         available = host_available_bytes()
         if available is not None and need > available:
-            raise UserError(f"this run needs about {need / 2**30:.1f} GiB of memory (weights + KV cache for "
-                            f"{tokens} tokens) but {available / 2**30:.1f} GiB are available; lower --context or use "
-                            f"--dtype bfloat16")
+            raise UserError(f"this run needs about {_size(need)} of memory (weights + KV cache for {tokens} tokens) "
+                            f"but {_size(available)} are available; lower --context or use --dtype bfloat16")
 
     def generator(self, cfg, max_len: int) -> Generator:
         factory = None
@@ -93,8 +113,7 @@ class Session:
             from offload.planner import generator_reserve
 
             models = self.loaded.models
-            onchip = self.args.onchip_layers
-            onchip = onchip if onchip == "auto" else int(onchip)
+            onchip = onchip_layers(self.args)
             reserve = generator_reserve(models.target.kv_shape(), models.drafter.kv_shape() if models.drafter else None,
                                         self.args.mode, cfg.budget, cfg.gamma1, cfg.gamma2, cfg.sink_tokens,
                                         cfg.draft_window)
@@ -165,6 +184,14 @@ def print_stats_table(console: Console, mode: str, stats) -> None:
     console.print(table)
 
 
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point (small models need KiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
 def _fmt(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -178,5 +205,29 @@ def _setup_parallel(args):
     return setup_tensor_parallel(args.tp, args.device)
 
 
+def check_flags(args) -> None:
+    """Model flags argparse takes as any integer or string, refused before torch uses them."""
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be at least 1 (got {args.threads}); leave it out for torch's choice")
+    if args.offload_chunk < 1:
+        raise UserError(f"--offload-chunk must be a positive number of tokens (got {args.offload_chunk})")
+    onchip_layers(args)
+
+
+def onchip_layers(args) -> int | str:
+    """--onchip-layers: 'auto' or a number of layers."""
+    value = args.onchip_layers
+    if value == "auto":
+        return value
+    try:
+        layers = int(value)
+    except ValueError:
+        layers = -1
+    if layers < 0:
+        raise UserError(f"--onchip-layers must be 'auto' or a number of layers >= 0 (got {value!r})")
+    return layers
+
+
 def open_session(args, text: str | None) -> Session:
-    return Session(args, text)
+    """A session with its models loaded."""
+    return Session(args, text).load()

@@ -90,9 +90,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     """Build the model from an HF folder. `cfg` overrides config.json (e.g. a RoPE scaling)."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
-    if cfg.num_kv_heads % world_size or cfg.num_heads % world_size or cfg.intermediate_size % world_size:
-        raise UserError(f"tensor parallel degree {world_size} does not divide the model's {cfg.num_kv_heads} KV "
-                        f"heads / {cfg.num_heads} heads; use --tp 1 or a divisor of {cfg.num_kv_heads}")
+    check_shardable(cfg, world_size)
     reader = CheckpointReader(folder)
     with torch.device("meta"):
         model = Transformer(cfg, world_size=world_size, max_len=max_len)
@@ -113,6 +111,13 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     model.rotary = Rotary(cfg, max_len)  # the one built under the meta device holds no values
     model.rotary.inv_freq = model.rotary.inv_freq.to(device)
     return model.eval().requires_grad_(False)
+
+
+def check_shardable(cfg: ModelConfig, world_size: int) -> None:
+    """Tensor parallelism splits heads and the MLP evenly over the ranks."""
+    if cfg.num_kv_heads % world_size or cfg.num_heads % world_size or cfg.intermediate_size % world_size:
+        raise UserError(f"tensor parallel degree {world_size} does not divide the model's {cfg.num_kv_heads} KV "
+                        f"heads / {cfg.num_heads} heads; use --tp 1 or a divisor of {cfg.num_kv_heads}")
 
 
 def load_tokenizer(folder: str | Path):

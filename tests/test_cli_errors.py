@@ -1,74 +1,158 @@
-"""Bad input to generate.py: a non-zero exit, one line on stderr naming the problem, no traceback."""
+"""Bad input to the front ends: a non-zero exit, a last stderr line "error: ..." naming the problem,
+no traceback. One table of cases, each run as a fresh process of every front end it applies to
+(generate.py reads the text with --prompt-file, chat.py with --book)."""
+from __future__ import annotations
+
 import json
-import subprocess
-import sys
-from pathlib import Path
+import shutil
+from dataclasses import dataclass, field
 
 import pytest
 
+from scripts import chat, generate
+from scripts.common import generation_config, pick_device
+from scripts.session import HOST_MEMORY_ENV, check_flags, host_available_bytes
+from speculative import UserError
+
+from .cli import assert_one_line_error, run
 from .conftest import save_tiny, save_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-PROMPT = " ".join(f"t{i % 60 + 3}" for i in range(200))
+PROMPT = " ".join(f"t{i % 60 + 3}" for i in range(200))  # 273 tokens for generate.py, 237 + template for chat
+TEXT_FLAG = {"generate": "--prompt-file", "chat": "--book"}
 
 
-def run(*args, timeout=120):
-    cmd = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--threads", "1", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+@dataclass(frozen=True)
+class Case:
+    words: tuple  # what the error line must say (case-insensitive)
+    flags: tuple = ()
+    model: str = "model"  # keys of the `inputs` fixture
+    draft: str = "self"
+    text: str = "prompt"
+    env: dict = field(default_factory=dict)
+    only: str | None = None  # the one front end the case means something to
 
-
-def assert_one_line_error(proc, *words):
-    assert proc.returncode != 0, proc.stdout
-    err = proc.stderr.strip().splitlines()
-    assert "Traceback" not in proc.stderr, proc.stderr
-    last = err[-1]
-    assert last.startswith("error:"), proc.stderr
-    for w in words:
-        assert w.lower() in last.lower(), last
-
-
-@pytest.fixture(scope="module")
-def other_vocab(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("other-vocab")
-    save_tiny(folder, seed=2, vocab=80)
-    save_tokenizer(folder, vocab=80)
-    return folder
+    def fronts(self) -> list[str]:
+        return [self.only] if self.only else list(TEXT_FLAG)
 
 
 CASES = {
-    "budget zero": (["--budget", "0"], ["budget"]),
-    "budget not chunk multiple": (["--budget", "100", "--chunk-size", "8"], ["multiple of the chunk"]),
-    "budget beyond prompt": (["--budget", "512"], ["smaller than the prompt"]),
-    "gamma zero": (["--gamma2", "0"], ["gamma2"]),
-    "negative temperature": (["--temperature", "-1"], ["temperature"]),
-    "top-p out of range": (["--top-p", "1.5"], ["top-p"]),
-    "context too long": (["--context", "100000", "--rope-scaling", "none"], ["exceeds"]),
-    "prompt longer than the model": (["--rope-scaling", "none", "--max-new-tokens", "5000"], ["exceed"]),
+    # the model folder
+    "missing model folder": Case(("model folder", "does not exist"), model="missing"),
+    "folder without config.json": Case(("no config.json",), model="no-config"),
+    "truncated safetensors": Case(("model.safetensors", "corrupt or truncated"), model="truncated"),
+    "corrupt safetensors header": Case(("model.safetensors", "corrupt or truncated"), model="corrupt"),
+    "unsupported architecture": Case(("unsupported architecture 'mamba'",), model="mamba"),
+    "drafter with another tokenizer": Case(("different tokenizer",), ("--mode", "speculative"), draft="other-vocab"),
+    # the text
+    "text file missing": Case(("absent.txt", "does not exist"), text="absent"),
+    "text file empty": Case(("empty.txt", "is empty"), text="empty"),
+    "text file binary": Case(("binary.bin", "binary"), text="binary"),
+    "text file not UTF-8": Case(("latin1.txt", "not utf-8"), text="latin1"),
+    # positions
+    "context beyond the model": Case(("--context 100000", "exceeds", "positions"),
+                                     ("--context", "100000", "--rope-scaling", "none"), only="generate"),
+    "prompt and new tokens beyond the model": Case(("exceed", "--rope-scaling"),
+                                                   ("--rope-scaling", "none", "--max-new-tokens", "5000"), only="generate"),
+    "book beyond the model": Case(("does not fit", "4,096-token context", "--context"),
+                                  ("--rope-scaling", "none", "--room", "100"), text="long", only="chat"),
+    # retrieval budget
+    "budget zero": Case(("budget",), ("--budget", "0"), only="generate"),
+    "budget beyond the prompt": Case(("budget 512", "smaller than the prompt"), ("--budget", "512")),
+    "budget not a chunk multiple": Case(("budget 100", "multiple of the chunk size 8"), ("--budget", "100")),
+    # speculation lengths and sampling
+    "gamma1 zero": Case(("gamma1", ">= 1"), ("--gamma1", "0")),
+    "gamma1 negative": Case(("gamma1", ">= 1"), ("--gamma1", "-2")),
+    "gamma2 zero": Case(("gamma2", ">= 1"), ("--gamma2", "0")),
+    "gamma2 negative": Case(("gamma2", ">= 1"), ("--gamma2", "-1")),
+    "temperature negative": Case(("temperature", ">= 0"), ("--temperature", "-0.5")),
+    "top-p zero": Case(("top-p", "(0, 1]"), ("--top-p", "0")),
+    "top-p above one": Case(("top-p", "(0, 1]"), ("--top-p", "1.5")),
+    # memory: refused before the weights are read, so the truncated checkpoint is never noticed
+    "host memory too small": Case(("memory", "available", "--context"), model="truncated",
+                                  env={HOST_MEMORY_ENV: "4096"}),
 }
+MATRIX = [(front, name) for name, case in CASES.items() for front in case.fronts()]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_settings(tiny_folder, case):
-    extra, words = CASES[case]
-    proc = run("--model", tiny_folder, "--draft", "self", "--prompt", PROMPT, "--max-new-tokens", "4", *extra)
-    assert_one_line_error(proc, *words)
+@pytest.fixture(scope="module")
+def inputs(tiny_folder, tmp_path_factory):
+    """Name -> path: the tiny model, damaged copies of it, a model with another vocabulary, texts."""
+    base = tmp_path_factory.mktemp("bad-inputs")
+    paths = {"model": tiny_folder, "missing": base / "nope"}
+    for name in ("no-config", "truncated", "corrupt", "mamba"):
+        paths[name] = shutil.copytree(tiny_folder, base / name)
+    (paths["no-config"] / "config.json").unlink()
+    weights = paths["truncated"] / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    weights = paths["corrupt"] / "model.safetensors"
+    weights.write_bytes(b"\xde\xad\xbe\xef" * 16 + weights.read_bytes()[64:])  # the header length, then garbage
+    config = json.loads((paths["mamba"] / "config.json").read_text())
+    config.update(architectures=["MambaForCausalLM"], model_type="mamba")
+    (paths["mamba"] / "config.json").write_text(json.dumps(config))
+    paths["other-vocab"] = base / "other-vocab"
+    save_tiny(paths["other-vocab"], seed=2, vocab=80)
+    save_tokenizer(paths["other-vocab"], vocab=80)
+    texts = {"prompt.txt": PROMPT.encode(), "long.txt": " ".join(f"t{3 + i % 60}" for i in range(4500)).encode(),
+             "empty.txt": b"  \n", "binary.bin": b"t1\x00\x01", "latin1.txt": b"t5 \xff\xfe t6"}
+    for filename, data in texts.items():
+        (base / filename).write_bytes(data)
+        paths[filename.split(".")[0]] = base / filename
+    paths["absent"] = base / "absent.txt"
+    return paths
 
 
-def test_missing_model_folder(tmp_path):
-    assert_one_line_error(run("--model", tmp_path / "nope", "--prompt", "t3"), "does not exist")
+@pytest.mark.parametrize("front,case", MATRIX, ids=[f"{front}: {name}" for front, name in MATRIX])
+def test_bad_input(inputs, front, case):
+    c = CASES[case]
+    draft = c.draft if c.draft == "self" else inputs[c.draft]
+    proc = run(front, "--model", inputs[c.model], "--draft", draft, TEXT_FLAG[front], inputs[c.text],
+               "--max-new-tokens", "4", *c.flags, env=c.env)
+    assert_one_line_error(proc, *c.words)
 
 
-def test_mismatched_tokenizers(tiny_folder, other_vocab):
-    proc = run("--model", tiny_folder, "--draft", other_vocab, "--prompt", PROMPT, "--mode", "speculative",
-               "--max-new-tokens", "4")
-    assert_one_line_error(proc, "different tokenizer")
+# ------------------------------------------------------------------- checks that need no process
+@pytest.mark.parametrize("flags,words", [
+    (["--threads", "-1"], "--threads must be at least 1"),
+    (["--offload-chunk", "0"], "--offload-chunk must be a positive"),
+    (["--onchip-layers", "some"], "--onchip-layers must be 'auto' or a number"),
+    (["--onchip-layers", "-2"], "--onchip-layers must be 'auto' or a number"),
+])
+def test_model_flags_refused_before_torch_uses_them(flags, words):
+    with pytest.raises(UserError, match=words):
+        check_flags(generate.parse_args(["--prompt", "t3", *flags]))
 
 
+def test_unknown_device_is_named():
+    with pytest.raises(UserError, match="--device tpu not understood: use cpu, cuda"):
+        pick_device("tpu")
+
+
+def test_chunk_size_zero_is_named_not_a_division_by_zero():
+    with pytest.raises(UserError, match="chunk size must be > 0"):
+        generation_config(generate.parse_args(["--prompt", "t3", "--chunk-size", "0"]), prompt_len=300)
+
+
+def test_memory_override(monkeypatch):
+    monkeypatch.setenv(HOST_MEMORY_ENV, "12345")
+    assert host_available_bytes() == 12345
+    monkeypatch.setenv(HOST_MEMORY_ENV, "lots")
+    with pytest.raises(UserError, match=HOST_MEMORY_ENV):
+        host_available_bytes()
+
+
+@pytest.mark.parametrize("flags,words", [(["--room", "0"], "--room must be"), (["--context", "0"], "--context must")])
+def test_chat_sizes(flags, words):
+    with pytest.raises(UserError, match=words):
+        chat.parse_args(["--book", "b.txt", *flags])
+
+
+# ------------------------------------------------------------------- and good input runs
 def test_small_run_json(tiny_folder):
     """The same tiny model runs cleanly: exactly one JSON object on stdout, greedy-identical modes."""
     outs = {}
     for mode in ("autoregressive", "triforce"):
-        proc = run("--model", tiny_folder, "--draft", "self", "--prompt", PROMPT, "--max-new-tokens", "12",
+        proc = run("generate", "--model", tiny_folder, "--draft", "self", "--prompt", PROMPT, "--max-new-tokens", "12",
                    "--mode", mode, "--budget", "64", "--json")
         assert proc.returncode == 0, proc.stderr
         outs[mode] = json.loads(proc.stdout)

@@ -1,0 +1,31 @@
+"""Running the front ends (scripts/generate.py, scripts/chat.py) as fresh processes, as a user would."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command(front: str, *args) -> list[str]:
+    """scripts/<front>.py on one thread; chat neither reads nor writes the user's saved KV caches."""
+    extra = ["--no-cache"] if front == "chat" else []
+    return [sys.executable, str(ROOT / "scripts" / f"{front}.py"), "--threads", "1", *extra, *map(str, args)]
+
+
+def run(front: str, *args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    # no standard input: chat is not interactive and, should it start, ends at once
+    return subprocess.run(command(front, *args), capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    """A non-zero exit, no traceback, and a last stderr line 'error: ...' holding every word."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error:"), proc.stderr
+    for word in words:
+        assert word.lower() in lines[-1].lower(), lines[-1]
