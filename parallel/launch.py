@@ -4,6 +4,8 @@ torchrun answers a worker's exit with a Python traceback and a 30-line table, be
 the worker already printed. This runs the same launcher without its logging and exits with
 the status of the first worker that failed; a worker killed by a signal (which printed nothing)
 gets one line naming it. Workers report their own errors, one line each (scripts/common.run_cli).
+Ctrl-C or SIGTERM to the launcher reaches every worker (rank 0 says "interrupted"); the launcher
+waits for them and exits with status 130, as they do, again without a traceback.
 """
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import logging
 import signal
 import sys
 
+INTERRUPTED = 130  # the status of an interrupted run, as scripts/common.run_cli returns it
+
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -31,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: tensor-parallel worker {rank} was killed by {_signal_name(-first.exitcode)} (out of "
               f"memory?); the other workers were stopped", file=sys.stderr)
         return 128 - first.exitcode
+    except SignalException:
+        # Ctrl-C or SIGTERM to the launcher: the agent has passed it on to the workers and waited for
+        # them (rank 0 said "interrupted"); exit as they do (run_cli: 130 for either), without the
+        # agent's traceback
+        return INTERRUPTED
     return 0
 
 
@@ -42,4 +52,8 @@ def _signal_name(number: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before torchrun installed its handlers, so before any worker started
+        print("interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)

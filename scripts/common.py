@@ -187,8 +187,6 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
     """Run a front end: user errors become one line on stderr, Ctrl-C a clean exit."""
     import signal
 
-    from speculative import UserError
-
     working = [True]  # SIGTERM interrupts the work once; after that (or after the work ended) it just exits
 
     def terminate(signum, frame):
@@ -197,10 +195,23 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
             raise KeyboardInterrupt
         # torchrun stops the other workers when one fails, often while they already unwind or
         # run atexit hooks: leave quietly instead of raising inside interpreter shutdown
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(128 + signum)
+        _leave(128 + signum)
 
-    if threading_main():
+    def starting(signum, frame):
+        # torch takes seconds to import, and a KeyboardInterrupt raised inside an import can leave it
+        # half loaded (numpy then refuses to load "more than once", with a traceback): nothing has
+        # started yet, so a signal meanwhile just ends the process
+        _say_interrupted()
+        _leave(130)
+
+    handles = threading_main()  # signals can only be handled in the main thread
+    if handles:
+        previous = signal.signal(signal.SIGINT, starting)
+        signal.signal(signal.SIGTERM, starting)
+    from speculative import UserError
+
+    if handles:
+        signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, terminate)
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
@@ -213,8 +224,7 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         working[0] = False
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every worker is stopped: say it once
-            print("interrupted", file=sys.stderr)
+        _say_interrupted()
         return 130
     except MemoryError:
         working[0] = False
@@ -226,6 +236,16 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
             raise
         print(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _say_interrupted() -> None:
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every worker is stopped: say it once
+        print("interrupted", file=sys.stderr)
+
+
+def _leave(code: int) -> None:
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
 
 
 def threading_main() -> bool:

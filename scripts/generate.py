@@ -38,7 +38,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
-    # torch is imported here, under run_cli, so a Ctrl-C during its import is a clean "interrupted"
+    # imported here, not at the top, so that torch first loads under run_cli, where a Ctrl-C during
+    # its import is a clean "interrupted"
     from scripts.session import Session
 
     session = Session(args, text)

@@ -1,0 +1,114 @@
+"""Ctrl-C and SIGTERM in the middle of generation: generate.py alone, and under torchrun through
+scripts/launch_tp.sh (two gloo workers). Each run stops within a bounded time with status 130,
+says "interrupted" once, prints no traceback, and leaves no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .cli import ROOT, command
+from .conftest import save_tiny, save_tokenizer
+
+PROMPT = " ".join(f"t{3 + i % 60}" for i in range(300))
+NEW_TOKENS = 30000  # at ~1000 tokens/s on a tiny model: far more than the test waits for
+SIGNALS = [signal.SIGINT, signal.SIGTERM]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A tiny checkpoint in a folder of its own: its path in a command line marks our processes."""
+    folder = tmp_path_factory.mktemp("interrupt-model")
+    save_tiny(folder, seed=6, vocab=64, layers=1, hidden=16, heads=4, kv_heads=2, inter=16, max_pos=NEW_TOKENS + 2048)
+    save_tokenizer(folder, vocab=64)
+    return folder
+
+
+def generation_args(model: Path) -> list[str]:
+    return ["--model", model, "--draft", "self", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
+            "--budget", "64", "--device", "cpu", "--rope-scaling", "none"]
+
+
+def start(cmd: list, logs: Path) -> subprocess.Popen:
+    """Outputs go to files (a full pipe would stall the process); its own session, so its group can be checked."""
+    with open(logs / "out", "w") as out, open(logs / "err", "w") as err:
+        return subprocess.Popen(list(map(str, cmd)), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "SPEC_TP_TIMEOUT": "60"})
+
+
+def interrupt_while_generating(proc: subprocess.Popen, logs: Path, sig: signal.Signals) -> tuple[float, str]:
+    """Wait for generated text on stdout, send `sig` to the process; (seconds it took to exit, stderr)."""
+    deadline = time.monotonic() + 120
+    while (logs / "out").stat().st_size == 0:
+        assert proc.poll() is None, (logs / "err").read_text()
+        assert time.monotonic() < deadline, "no generated text after 120 s"
+        time.sleep(0.05)
+    assert proc.poll() is None, "generation finished before the signal"
+    os.kill(proc.pid, sig)
+    sent = time.monotonic()
+    proc.wait(timeout=90)
+    return time.monotonic() - sent, (logs / "err").read_text()
+
+
+def ours(proc: subprocess.Popen, model: Path) -> list[psutil.Process]:
+    """Live processes in the run's process group or running on its model (torchrun's workers have
+    sessions of their own)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and (str(model) in " ".join(p.info["cmdline"] or [])
+                                         or os.getpgid(p.pid) == proc.pid) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, ProcessLookupError):
+            pass  # it ended while we looked
+    return found
+
+
+def survivors(proc: subprocess.Popen, model: Path) -> list[psutil.Process]:
+    """What is still there after a few seconds' grace."""
+    deadline = time.monotonic() + 5
+    while (found := ours(proc, model)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
+
+
+def stop(proc: subprocess.Popen, model: Path) -> None:
+    """After a failed check: end what this test started, by process id."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for p in ours(proc, model):
+        p.kill()
+
+
+def interrupted_run(cmd: list, model: Path, logs: Path, sig: signal.Signals, limit: float) -> None:
+    """Start `cmd`, interrupt it while it generates, check how it stopped and that nothing is left."""
+    proc = start(cmd, logs)
+    try:
+        seconds, err = interrupt_while_generating(proc, logs, sig)
+        left = survivors(proc, model)
+    finally:
+        stop(proc, model)
+    assert proc.returncode == 130, err
+    assert seconds < limit, (seconds, err)
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted", err
+    assert err.count("interrupted") == 1, err  # under torchrun only rank 0 says it
+    assert left == [], [p.cmdline() for p in left]
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def test_single_process(model, tmp_path, sig):
+    interrupted_run(command("generate", *generation_args(model)), model, tmp_path, sig, limit=10)
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def test_tensor_parallel_launcher(model, tmp_path, sig):
+    """The signal goes to the launcher alone, as from a supervisor; it passes it to the workers."""
+    cmd = ["bash", ROOT / "scripts" / "launch_tp.sh", *generation_args(model), "--mode", "autoregressive"]
+    interrupted_run(cmd, model, tmp_path, sig, limit=30)
