@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
-from scripts.common import (add_engine_args, add_model_args, generation_config, prefill_progress,  # noqa: E402
+from scripts.common import (add_engine_args, add_model_args, checked_generation_config, prefill_progress,  # noqa: E402
                             read_text, resolve_rope, run_cli)
 from scripts.session import open_session, print_stats_table  # noqa: E402
 from speculative import ModelConfig, UserError, kvfile  # noqa: E402
@@ -555,7 +555,7 @@ def start(args, interactive: bool | None = None) -> Chat:
     total = len(book.prompt) + args.room
     # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
     # that is the book plus the conversation's room, and the book is already cut to --context
-    cfg = generation_config(args, len(book.prompt), console)  # bad settings are refused before the weights load
+    cfg = checked_generation_config(args, len(book.prompt), console)  # bad settings are refused before the weights load
     session = open_session(argparse.Namespace(**{**vars(args), "max_new_tokens": total, "context": None}), None)
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(args, session, gen, book, console)

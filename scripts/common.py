@@ -62,30 +62,40 @@ DEFAULT_GAMMAS = {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6)
 
 def generation_config(args, prompt_len: int, console=None):
     """GenerationConfig from flags. A default budget shrinks to fit a short prompt (said on stderr);
-    a budget the user chose is checked as given, against the prompt too, so it is refused before
-    the models load rather than when prefill starts."""
+    a budget the user chose is checked as given."""
     from speculative import GenerationConfig
-    from speculative.retrieval import check_budget
 
     g1, g2 = DEFAULT_GAMMAS[args.mode]
     budget = args.budget
-    retrieves = args.mode in ("retrieval", "triforce")
     if budget is None:
         budget = DEFAULT_BUDGET
-        if retrieves and budget >= prompt_len and args.chunk_size > 0:  # a chunk size <= 0 is refused below
+        if retrieves(args.mode) and budget >= prompt_len and args.chunk_size > 0:  # chunk size <= 0: refused below
             budget = max(3 * args.chunk_size, (prompt_len // 2) // args.chunk_size * args.chunk_size)
             if console:
                 console.print(f"[yellow]note:[/] prompt has {prompt_len} tokens; retrieval budget set to {budget}")
-    cfg = GenerationConfig(
+    return GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, budget=budget, chunk_size=args.chunk_size,
         gamma1=args.gamma1 if args.gamma1 is not None else max(g1, 1),
         gamma2=args.gamma2 if args.gamma2 is not None else max(g2, 1),
         draft_window=args.draft_window, sink_tokens=args.sinks, rebuild_threshold=args.rebuild_threshold,
         prefill_chunk=args.prefill_chunk)
-    if retrieves:
+
+
+def checked_generation_config(args, prompt_len: int, console=None):
+    """generation_config, with the retrieval budget also checked against the prompt. The front ends
+    call it before the weights load: a budget that cannot work is refused at once, not at prefill."""
+    from speculative.retrieval import check_budget
+
+    cfg = generation_config(args, prompt_len, console)
+    if retrieves(args.mode):
         check_budget(cfg.budget, cfg.chunk_size, prompt_len)
     return cfg
+
+
+def retrieves(mode: str) -> bool:
+    """Whether the engine has a retrieval level (a budget to choose)."""
+    return mode in ("retrieval", "triforce")
 
 
 def resolve_draft(model: str, draft: str | None) -> str:
@@ -262,5 +272,5 @@ class Timer:
         return time.perf_counter() - self.start
 
 
-__all__ = ["add_model_args", "add_engine_args", "generation_config", "resolve_draft", "resolve_rope",
-           "read_text", "pick_device", "prefill_progress", "run_cli", "replace"]
+__all__ = ["add_model_args", "add_engine_args", "generation_config", "checked_generation_config", "resolve_draft",
+           "resolve_rope", "read_text", "pick_device", "prefill_progress", "run_cli", "replace"]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common import (DEFAULT_PROMPT_FILE, add_engine_args, add_model_args, generation_config,  # noqa: E402
-                            prefill_progress, read_text, run_cli)
+from scripts.common import (DEFAULT_PROMPT_FILE, add_engine_args, add_model_args,  # noqa: E402
+                            checked_generation_config, prefill_progress, read_text, run_cli)
 
 
 def parse_args(argv):
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     session = Session(args, text)
     console, out = session.console, session.stdout
     ids = session.prompt_ids
-    cfg = generation_config(args, len(ids), console)  # bad settings are refused before the weights load
+    cfg = checked_generation_config(args, len(ids), console)  # bad settings are refused before the weights load
     session.load()
     gen = session.generator(cfg, max_len=len(ids) + args.max_new_tokens)
 
