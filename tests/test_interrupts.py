@@ -3,13 +3,13 @@ scripts/launch_tp.sh (two gloo workers). Each run stops within a bounded time wi
 says "interrupted" once, prints no traceback, and leaves no process behind."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from .cli import ROOT, command
@@ -55,21 +55,24 @@ def interrupt_while_generating(proc: subprocess.Popen, logs: Path, sig: signal.S
     return time.monotonic() - sent, (logs / "err").read_text()
 
 
-def ours(proc: subprocess.Popen, model: Path) -> list[psutil.Process]:
-    """Live processes in the run's process group or running on its model (torchrun's workers have
-    sessions of their own)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
+def ours(proc: subprocess.Popen, model: Path) -> dict[int, str]:
+    """pid -> command line of the live processes in the run's process group or running on its model
+    (torchrun's workers have sessions of their own). Read from /proc: psutil is not a dependency."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
         try:
-            if p.pid != os.getpid() and (str(model) in " ".join(p.info["cmdline"] or [])
-                                         or os.getpgid(p.pid) == proc.pid) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.Error, ProcessLookupError):
-            pass  # it ended while we looked
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state, _, group = (entry / "stat").read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # it ended while we looked
+        if state != "Z" and (str(model) in cmdline or int(group) == proc.pid):
+            found[int(entry.name)] = cmdline
     return found
 
 
-def survivors(proc: subprocess.Popen, model: Path) -> list[psutil.Process]:
+def survivors(proc: subprocess.Popen, model: Path) -> dict[int, str]:
     """What is still there after a few seconds' grace."""
     deadline = time.monotonic() + 5
     while (found := ours(proc, model)) and time.monotonic() < deadline:
@@ -82,8 +85,9 @@ def stop(proc: subprocess.Popen, model: Path) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    for p in ours(proc, model):
-        p.kill()
+    for pid in ours(proc, model):
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(pid, signal.SIGKILL)
 
 
 def interrupted_run(cmd: list, model: Path, logs: Path, sig: signal.Signals, limit: float) -> None:
@@ -99,7 +103,7 @@ def interrupted_run(cmd: list, model: Path, logs: Path, sig: signal.Signals, lim
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "interrupted", err
     assert err.count("interrupted") == 1, err  # under torchrun only rank 0 says it
-    assert left == [], [p.cmdline() for p in left]
+    assert not left, left
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
