@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench import BOOK, TIE_ULPS, first_mismatch, run_system, ulps_at, wide  # noqa: E402
+from scripts.bench import BOOK, TIE_ULPS, first_mismatch, logit_gap_ulps, run_system, wide  # noqa: E402
 from scripts.common import add_engine_args, add_model_args, generation_config, prefill_progress, read_text, run_cli  # noqa: E402
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, UserError  # noqa: E402
@@ -75,22 +75,6 @@ def timed(session, mode, cfg, prefilled, max_len, repeats):
     tokens, _, stats = runs[0]
     seconds = statistics.median(r[1] for r in runs)
     return tokens, seconds, stats
-
-
-def logit_gap_ulps(session, prefilled, reference, tokens, at: int) -> float:
-    """At the first greedy mismatch: the target's logit gap between the autoregressive token and
-    the other run's, teacher-forced on the common prefix in one pass, in units in the last place of
-    the dtype at the top logit. A few ulps is a tie that rounding (a T-token pass vs T one-token
-    passes) may break either way; more is a real divergence."""
-    import torch
-
-    cache, model = prefilled.cache, session.loaded.models.target
-    cache.rollback(len(prefilled.prompt))
-    with torch.no_grad():
-        logits = model(torch.tensor(reference[:at], device=session.device), cache)[-1]
-    cache.rollback(len(prefilled.prompt))
-    gap = (logits[reference[at]] - logits[tokens[at]]).abs()
-    return float(gap / ulps_at(logits.max(), model.embed.weight.dtype))
 
 
 def main(argv=None) -> int:

@@ -122,3 +122,36 @@ def test_ties_are_gaps_of_a_few_ulps_of_the_dtype():
 
     assert bench.ulps_at(torch.tensor([20.0, -1.5, 0.7]), torch.bfloat16).tolist() == [0.125, 2 ** -7, 2 ** -8]
     assert bench.ties_only({}) and bench.ties_only({13: [0.375, 3.0]}) and not bench.ties_only({13: [2.0, 16.0]})
+
+
+def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, models):
+    """sweep.py: greedy rows match autoregressive; the logit-gap check is zero for the reference's own
+    token and large for another token, and leaves the shared prefill as it found it."""
+    from scripts import sweep
+    from scripts.bench import TIE_ULPS, logit_gap_ulps, run_system
+    from scripts.common import generation_config
+    from scripts.session import open_session
+    from speculative import Generator
+
+    target, _, book = models
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--model", str(target), "--draft", "self", "--prompt-file", str(book), "--context", "128",
+                     "--new-tokens", "10", "--budgets", "32,64", "--gamma2s", "2,3", "--threads", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0 and len(rows) == 8 and all(r["same_tokens"] for r in rows)
+    assert {(r["mode"], r["budget"], r["gamma2"]) for r in rows} >= {("retrieval", 32, 2), ("triforce", 64, 3)}
+
+    args = sweep.parse_args(["--model", str(target), "--draft", "self", "--context", "128", "--new-tokens", "10",
+                             "--threads", "1", "--budget", "32"])
+    session = open_session(args, book.read_text())
+    args.mode = "autoregressive"
+    cfg = generation_config(args, len(session.prompt_ids))
+    seed = Generator(session.loaded.models, cfg, "autoregressive", max_len=160)
+    seed.prefill(session.prompt_ids)
+    prefilled = seed.snapshot()
+    reference, _, _ = run_system(session, "autoregressive", cfg, prefilled, 160)
+    other = list(reference)
+    other[4] = (reference[4] + 1) % 64
+    assert logit_gap_ulps(session, prefilled, reference, reference, 4) == 0
+    assert logit_gap_ulps(session, prefilled, reference, other, 4) > TIE_ULPS
+    assert run_system(session, "autoregressive", cfg, prefilled, 160)[0] == reference
