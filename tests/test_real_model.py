@@ -54,3 +54,30 @@ def test_real_checkpoint_logits_match_transformers(name):
     with torch.no_grad():
         expected = ref(tokens[None]).logits[0]
     assert (got - expected).abs().max().item() < 1e-3  # float32 over 24-30 layers of real weights
+
+
+@pytest.mark.long
+def test_2000_tokens_at_16k_stay_lossless():
+    """SmolLM2 at a 16K-token context of a real book (YaRN x2.5), float32, 2,000 new tokens: triforce with
+    the target as its own drafter gives exactly the autoregressive tokens, while the retrieval cache
+    refills and is rebuilt and the StreamingLLM window wraps many times. One prefill serves both runs."""
+    from scripts import sweep
+    from scripts.bench import run_system
+    from scripts.common import generation_config, read_text
+    from scripts.session import open_session
+    from speculative import Generator
+
+    args = sweep.parse_args(["--model", str(MODEL), "--draft", "self", "--context", "16384", "--new-tokens", "2000",
+                             "--dtype", "float32", "--budget", "2048"])
+    session = open_session(args, read_text(BOOK))
+    args.mode = "triforce"
+    cfg = generation_config(args, len(session.prompt_ids))
+    max_len = len(session.prompt_ids) + 2000
+    seed = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len)
+    seed.prefill(session.prompt_ids)
+    prefilled = seed.snapshot()
+    reference, _, _ = run_system(session, "autoregressive", cfg, prefilled, max_len)
+    gen = Generator(session.loaded.models, cfg, "triforce", max_len=max_len, prefilled=prefilled)
+    tokens = gen.generate()
+    assert len(reference) == 2000 and tokens == reference
+    assert gen.stats.rebuilds >= 3 and gen.drafter.cache.evictions > 20, (gen.stats.rebuilds, gen.drafter.cache.evictions)

@@ -41,6 +41,7 @@ ENGINES = [("autoregressive", False), ("speculative", True), ("retrieval", False
 GREEDY = GenerationConfig(max_new_tokens=32, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
                           sink_tokens=4, prefill_chunk=48)
 SAMPLED = replace(GREEDY, temperature=0.8, top_p=0.9, seed=7)
+LONG = replace(GREEDY, max_new_tokens=2000)  # the retrieval cache refills and rebuilds, the window wraps: many times
 
 
 def offload_factory():
@@ -101,6 +102,8 @@ def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfi
     out["heads"] = {level.name: level.cache.k.shape[1] for level in (gen.full, gen.middle, gen.drafter)
                     if level is not None and hasattr(level.cache, "k")}  # the offloaded store lays out differently
     out["tokens"] = gen.generate()
+    out["rebuilds"] = gen.stats.rebuilds
+    out["evictions"] = gen.drafter.cache.evictions if gen.drafter is not None else 0
     return out
 
 
@@ -111,6 +114,8 @@ def compute(folders: dict, rank: int, world: int, dist=None) -> dict:
                          for mode, d in ENGINES for off in OFFLOAD}
     results["sampled"] = {(mode, d): generate(target, drafter, mode, d, SAMPLED, False)["tokens"]
                           for mode, d in ENGINES}
+    results["long"] = {mode: generate(target, drafter, mode, True, LONG, offload=mode == "triforce" and bool(OFFLOAD[-1]))
+                       for mode in ("autoregressive", "triforce")}
     return results
 
 
@@ -191,6 +196,18 @@ def test_greedy_tokens_match(runs, mode, use_drafter, offload):
     for level, heads in one["heads"].items():  # caches of the target hold only the local KV heads
         local = heads if (level == "draft" and use_drafter) else heads // WORLD  # a separate drafter is replicated
         assert all(r["heads"][level] == local for r in ranks), (level, heads, [r["heads"] for r in ranks])
+
+
+def test_long_offloaded_triforce_with_tp2_is_autoregressive(runs):
+    """2,000 new tokens, triforce with the full cache offloaded, two ranks: exactly the tokens of
+    autoregressive decoding in one process (and of triforce + offload in one process)."""
+    reference = runs[1]["long"]["autoregressive"]["tokens"]
+    assert len(reference) == LONG.max_new_tokens
+    assert runs[1]["long"]["triforce"]["tokens"] == reference
+    for r in runs[2]:
+        assert r["long"]["triforce"]["tokens"] == reference
+        assert r["long"]["autoregressive"]["tokens"] == reference
+        assert r["long"]["triforce"]["rebuilds"] > 20 and r["long"]["triforce"]["evictions"] > 20
 
 
 def test_offload_available():
