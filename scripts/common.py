@@ -209,6 +209,8 @@ def prefill_progress(console, total: int, label: str = "prefill"):
             speed = task.finished_speed or task.speed
             return TextColumn(f"{speed:,.0f} tok/s" if speed else "").render(task)
 
+    if not console.is_terminal:  # a log file gets no live bar, only the final one: say when it starts
+        console.print(f"{label}: {total:,} tokens ...")
     progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), Rate(""),
                         TimeRemainingColumn(), console=console, transient=False)
     task = progress.add_task(label, total=total)

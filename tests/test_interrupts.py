@@ -24,7 +24,7 @@ SIGNALS = [signal.SIGINT, signal.SIGTERM]
 def model(tmp_path_factory) -> Path:
     """A tiny checkpoint in a folder of its own: its path in a command line marks our processes."""
     folder = tmp_path_factory.mktemp("interrupt-model")
-    save_tiny(folder, seed=6, vocab=64, layers=1, hidden=16, heads=4, kv_heads=2, inter=16, max_pos=NEW_TOKENS + 2048)
+    save_tiny(folder, seed=6, vocab=64, layers=1, hidden=16, heads=4, kv_heads=2, inter=16, max_pos=NEW_TOKENS + 25000)
     save_tokenizer(folder, vocab=64)
     return folder
 
@@ -41,18 +41,28 @@ def start(cmd: list, logs: Path) -> subprocess.Popen:
                                 start_new_session=True, env={**os.environ, "SPEC_TP_TIMEOUT": "60"})
 
 
-def interrupt_while_generating(proc: subprocess.Popen, logs: Path, sig: signal.Signals) -> tuple[float, str]:
-    """Wait for generated text on stdout, send `sig` to the process; (seconds it took to exit, stderr)."""
+def interrupt_while_generating(proc: subprocess.Popen, logs: Path, sig: signal.Signals,
+                               during: str = "generation") -> tuple[float, str]:
+    """Wait for generated text on stdout (or, during="prefill", for the prefill's start line on stderr
+    while stdout is still empty), send `sig` to the process; (seconds it took to exit, stderr)."""
     deadline = time.monotonic() + 120
-    while (logs / "out").stat().st_size == 0:
+    while not started(logs, during):
         assert proc.poll() is None, (logs / "err").read_text()
-        assert time.monotonic() < deadline, "no generated text after 120 s"
+        assert time.monotonic() < deadline, f"{during} did not start within 120 s"
         time.sleep(0.05)
-    assert proc.poll() is None, "generation finished before the signal"
+    assert proc.poll() is None, f"{during} finished before the signal"
     os.kill(proc.pid, sig)
+    if during == "prefill":
+        assert (logs / "out").stat().st_size == 0, "the prefill ended before the signal"
     sent = time.monotonic()
     proc.wait(timeout=90)
     return time.monotonic() - sent, (logs / "err").read_text()
+
+
+def started(logs: Path, during: str) -> bool:
+    if during == "prefill":
+        return "prefill: " in (logs / "err").read_text()
+    return (logs / "out").stat().st_size > 0
 
 
 def ours(proc: subprocess.Popen, model: Path) -> dict[int, str]:
@@ -90,11 +100,12 @@ def stop(proc: subprocess.Popen, model: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def interrupted_run(cmd: list, model: Path, logs: Path, sig: signal.Signals, limit: float) -> None:
-    """Start `cmd`, interrupt it while it generates, check how it stopped and that nothing is left."""
+def interrupted_run(cmd: list, model: Path, logs: Path, sig: signal.Signals, limit: float,
+                    during: str = "generation") -> None:
+    """Start `cmd`, interrupt it while it prefills or generates, check how it stopped and that nothing is left."""
     proc = start(cmd, logs)
     try:
-        seconds, err = interrupt_while_generating(proc, logs, sig)
+        seconds, err = interrupt_while_generating(proc, logs, sig, during)
         left = survivors(proc, model)
     finally:
         stop(proc, model)
@@ -109,6 +120,16 @@ def interrupted_run(cmd: list, model: Path, logs: Path, sig: signal.Signals, lim
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
 def test_single_process(model, tmp_path, sig):
     interrupted_run(command("generate", *generation_args(model)), model, tmp_path, sig, limit=10)
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def test_single_process_during_prefill(model, tmp_path, sig):
+    """A long prompt fed 4 tokens per forward: tens of seconds of prefill, interrupted in the middle."""
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"t{3 + i % 60}" for i in range(15000)))
+    args = [a if a != PROMPT else book for a in generation_args(model)]
+    args[args.index("--prompt")] = "--prompt-file"
+    interrupted_run(command("generate", *args, "--prefill-chunk", 4), model, tmp_path, sig, limit=10, during="prefill")
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
