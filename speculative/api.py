@@ -17,6 +17,7 @@ from .config import GenerationConfig, ModelConfig
 from .engine import Generator, Models
 from .errors import UserError
 from .loader import load_model, load_tokenizer, same_tokenizer
+from .rope import Rotary
 from .stats import Stats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
@@ -45,15 +46,19 @@ def load(target: str | Path, draft: str | Path | None = "self", dtype: str | tor
     cfg = target_config or ModelConfig.from_folder(target)
     model = load_model(target, dtype, device, cfg, max_len, rank, world_size, progress)
     tokenizer = load_tokenizer(target)
-    drafter = None
-    if draft not in (None, "self"):
+    drafter, self_rotary = None, None
+    if draft in (None, "self"):
+        native = ModelConfig.from_folder(target)
+        if native.rope_scaling != cfg.rope_scaling:  # a scaling added for this run's long context
+            self_rotary = Rotary(native)
+    else:
         draft_cfg = ModelConfig.from_folder(draft)
         draft_tok = load_tokenizer(draft)
         if not same_tokenizer(tokenizer, draft_tok):
             raise UserError(f"the drafter {draft} uses a different tokenizer from the target {target}; "
                             f"pick a drafter of the same model family or --draft self")
         drafter = load_model(draft, dtype, device, draft_cfg)
-    return Loaded(Models(model, drafter), tokenizer, cfg)
+    return Loaded(Models(model, drafter, self_rotary), tokenizer, cfg)
 
 
 @dataclass

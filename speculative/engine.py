@@ -19,6 +19,7 @@ The top level verifies gamma proposals per pass against the full cache and commi
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -161,10 +162,24 @@ class Prefilled:
     prefill_seconds: float
 
 
+def self_drafter(target: Transformer, rotary) -> Transformer:
+    """The target's weights drafting for themselves: the target itself, or (with `rotary`) a shallow
+    twin that shares every parameter and the all-reduce hook but computes its own RoPE."""
+    if rotary is None:
+        return target
+    twin = copy.copy(target)
+    twin.rotary = rotary
+    return twin
+
+
 @dataclass
 class Models:
     target: Transformer
     drafter: Transformer | None  # None: the target's own weights ("self")
+    # RoPE for the target drafting for itself when this run scaled the target's RoPE for a long
+    # context: the drafter's positions are StreamingLLM slots (sinks + window), always inside the
+    # trained range, where a scaling such as YaRN (new frequencies, attention temperature) only hurts
+    self_draft_rotary: object | None = None
 
 
 class Generator:
@@ -188,7 +203,7 @@ class Generator:
             cache = RetrievalCache(target.kv_shape(), cfg.budget, cfg.chunk_size, scratch=margin + 1)
             self.middle = Level("middle", target, cache, self.stats)
         if mode in ("speculative", "triforce"):
-            drafter = models.drafter or target
+            drafter = models.drafter or self_drafter(target, models.self_draft_rotary)
             cache = StreamingCache(drafter.kv_shape(), drafter.rotary, cfg.sink_tokens, cfg.draft_window,
                                    slack=max(64, margin + 1))
             self.drafter = Level("draft", drafter, cache, self.stats)

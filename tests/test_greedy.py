@@ -5,7 +5,7 @@ import torch
 from speculative import GenerationConfig, Models, generate_ids
 from speculative.loader import load_model
 
-from .conftest import save_tiny
+from .conftest import save_tiny, save_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,28 @@ def test_long_generation_stays_lossless(pair):
     gen.prefill(ids)
     assert gen.generate() == reference.tokens
     assert gen.stats.rebuilds > 20 and gen.drafter.cache.evictions > 20
+
+
+def test_self_drafter_keeps_the_checkpoint_rope_when_the_run_scales_it(tmp_path):
+    """With YaRN added for a long context, the target drafting for itself uses the checkpoint's own RoPE
+    (its StreamingLLM positions stay inside the trained range): same weights, its own rotary, and the
+    tokens are still exactly autoregressive."""
+    from speculative import Generator, ModelConfig
+    from speculative.api import load
+
+    save_tiny(tmp_path, seed=8, vocab=64, max_pos=160)
+    save_tokenizer(tmp_path, vocab=64)
+    scaled = ModelConfig.from_folder(tmp_path).with_rope_scaling({"rope_type": "yarn", "factor": 2.0,
+                                                                  "original_max_position_embeddings": 160})
+    loaded = load(tmp_path, "self", torch.float64, target_config=scaled)
+    assert loaded.models.self_draft_rotary is not None
+    assert load(tmp_path, "self", torch.float64).models.self_draft_rotary is None  # nothing added: the target itself
+    cfg = GenerationConfig(max_new_tokens=60, budget=64, chunk_size=8, gamma1=3, gamma2=4, draft_window=32)
+    ids = prompt(250, 4)
+    reference = generate_ids(loaded.models, ids, "autoregressive", cfg).tokens
+    gen = Generator(loaded.models, cfg, "triforce", max_len=320)
+    twin, target = gen.drafter.model, loaded.models.target
+    assert twin is not target and twin.rotary is loaded.models.self_draft_rotary and target.rotary is not twin.rotary
+    assert twin.embed.weight is target.embed.weight and twin.layers is target.layers
+    gen.prefill(ids)
+    assert gen.generate() == reference
