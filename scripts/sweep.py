@@ -38,6 +38,7 @@ def parse_args(argv):
     p.add_argument("--budgets", default="", help="retrieval budgets (default: --budget or the default)")
     p.add_argument("--gamma1s", default="", help="drafter lengths (default: --gamma1)")
     p.add_argument("--gamma2s", default="", help="middle lengths (default: --gamma2)")
+    p.add_argument("--chunk-sizes", default="", help="retrieval chunk sizes (default: --chunk-size)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (after one warm-up)")
     p.add_argument("--out", help="write the rows as JSON")
@@ -47,7 +48,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     args.max_new_tokens = args.new_tokens
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    args.grid = {name: _ints(getattr(args, name), name) for name in ("budgets", "gamma1s", "gamma2s")}
+    args.grid = {name: _ints(getattr(args, name), name) for name in ("budgets", "gamma1s", "gamma2s", "chunk_sizes")}
     return args
 
 
@@ -61,12 +62,13 @@ def _ints(text: str, name: str) -> list[int | None]:
 
 def settings(args, base):
     """Every engine configuration of the grid, as (mode, GenerationConfig)."""
-    for mode, budget, g1, g2 in itertools.product(args.modes, *args.grid.values()):
-        cfg = replace(base, budget=budget or base.budget, gamma1=g1 or base.gamma1, gamma2=g2 or base.gamma2)
+    for mode, budget, g1, g2, chunk in itertools.product(args.modes, *args.grid.values()):
+        cfg = replace(base, budget=budget or base.budget, gamma1=g1 or base.gamma1, gamma2=g2 or base.gamma2,
+                      chunk_size=chunk or base.chunk_size)
         if mode == "retrieval" and g1 not in (None, args.grid["gamma1s"][0]):
             continue  # gamma1 plays no part without a drafter
-        if mode == "speculative" and budget not in (None, args.grid["budgets"][0]):
-            continue  # nor does the budget without a retrieval level
+        if mode == "speculative" and (budget, chunk) != (args.grid["budgets"][0], args.grid["chunk_sizes"][0]):
+            continue  # nor do the budget and chunk size without a retrieval level
         yield mode, cfg
 
 
@@ -100,13 +102,14 @@ def main(argv=None) -> int:
         tie = at is not None and logit_gap_ulps(session, prefilled, reference, tokens, at) <= TIE_ULPS
         failed |= same is False and not (tie and args.accept_ties)
         d = stats.to_dict()
-        rows.append({"mode": mode, "budget": cfg.budget, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
+        rows.append({"mode": mode, "budget": cfg.budget, "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1,
+                     "gamma2": cfg.gamma2,
                      "acceptance": d["acceptance"], "tokens_per_full_pass": d["tokens_per_full_pass"],
                      "ms_per_pass": {lv: 1e3 * d["seconds"][lv] / d["passes"][lv] for lv in LEVELS if d["passes"][lv]},
                      "tokens_per_second": (len(tokens) - 1) / seconds, "speedup": ar / seconds,
                      "autoregressive_ms_per_token": 1e3 * ar / (len(reference) - 1), "rebuilds": d["rebuilds"],
                      "same_tokens": same, "first_mismatch": at, "tie_only": tie})
-        session.console.print(f"  [dim]{mode} budget {cfg.budget} gammas {cfg.gamma1}/{cfg.gamma2}: "
+        session.console.print(f"  [dim]{mode} budget {cfg.budget} chunk {cfg.chunk_size} gammas {cfg.gamma1}/{cfg.gamma2}: "
                               f"{rows[-1]['speedup']:.2f}x[/]")
     import torch
 
@@ -125,12 +128,12 @@ def print_rows(console, rows, title):
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("mode", "budget", "γ1", "γ2", "acc. draft", "acc. middle", "tok/full pass", "ms/pass draft",
+    for col in ("mode", "budget", "chunk", "γ1", "γ2", "acc. draft", "acc. middle", "tok/full pass", "ms/pass draft",
                 "ms/pass middle", "ms/pass verify", "AR ms/token", "tok/s", "speedup", "same"):
         t.add_column(col, justify="right")
     for r in rows:
         acc = r["acceptance"]
-        t.add_row(r["mode"], str(r["budget"]), str(r["gamma1"]), str(r["gamma2"]),
+        t.add_row(r["mode"], str(r["budget"]), str(r["chunk_size"]), str(r["gamma1"]), str(r["gamma2"]),
                   *(_fmt(acc.get(k)) for k in ("draft->middle" if r["mode"] == "triforce" else "draft->verify",
                                                "middle->verify")),
                   _fmt(r["tokens_per_full_pass"]), *(_fmt(r["ms_per_pass"].get(lv), 1) for lv in LEVELS),
