@@ -127,11 +127,11 @@ class GenerationConfig:
     seed: int = 0
     # retrieval cache (middle level)
     budget: int = 2048
-    chunk_size: int = 8
+    chunk_size: int = 32  # the front ends' defaults and why: scripts/common.py
     rebuild_threshold: float = 0.0  # rebuild when middle acceptance over recent rounds drops below this
     # speculation lengths: gamma1 drafter tokens per middle pass, gamma2 middle tokens per full pass
-    gamma1: int = 4
-    gamma2: int = 8
+    gamma1: int = 2
+    gamma2: int = 3
     # StreamingLLM cache for the drafter
     sink_tokens: int = 4
     draft_window: int = 256

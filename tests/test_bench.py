@@ -30,7 +30,8 @@ def models(tmp_path_factory):
 
 def _run(tmp_path, *extra):
     out = tmp_path / "bench.json"
-    common = ["--new-tokens", "12", "--repeats", "1", "--budget", "64", "--threads", "1", "--out", str(out)]
+    common = ["--new-tokens", "12", "--repeats", "1", "--budget", "64", "--chunk-size", "8", "--threads", "1",
+              "--out", str(out)]
     rc = bench.main([*common, *extra])
     return rc, json.loads(out.read_text())
 
@@ -136,13 +137,14 @@ def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, mo
     target, _, book = models
     out = tmp_path / "sweep.json"
     rc = sweep.main(["--model", str(target), "--draft", "self", "--prompt-file", str(book), "--context", "128",
-                     "--new-tokens", "10", "--budgets", "32,64", "--gamma2s", "2,3", "--threads", "1", "--out", str(out)])
+                     "--new-tokens", "10", "--budgets", "32,64", "--gamma2s", "2,3", "--chunk-size", "8", "--threads", "1",
+                     "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert rc == 0 and len(rows) == 8 and all(r["same_tokens"] for r in rows)
     assert {(r["mode"], r["budget"], r["gamma2"]) for r in rows} >= {("retrieval", 32, 2), ("triforce", 64, 3)}
 
     args = sweep.parse_args(["--model", str(target), "--draft", "self", "--context", "128", "--new-tokens", "10",
-                             "--threads", "1", "--budget", "32"])
+                             "--threads", "1", "--budget", "32", "--chunk-size", "8"])
     session = open_session(args, book.read_text())
     args.mode = "autoregressive"
     cfg = generation_config(args, len(session.prompt_ids))

@@ -58,7 +58,7 @@ CASES = {
     # retrieval budget
     "budget zero": Case(("budget",), ("--budget", "0"), only="generate"),
     "budget beyond the prompt": Case(("budget 512", "smaller than the prompt"), ("--budget", "512")),
-    "budget not a chunk multiple": Case(("budget 100", "multiple of the chunk size 8"), ("--budget", "100")),
+    "budget not a chunk multiple": Case(("budget 100", "multiple of the chunk size 32"), ("--budget", "100")),
     # speculation lengths and sampling
     "gamma1 zero": Case(("gamma1", ">= 1"), ("--gamma1", "0")),
     "gamma1 negative": Case(("gamma1", ">= 1"), ("--gamma1", "-2")),
@@ -153,7 +153,7 @@ def test_small_run_json(tiny_folder):
     outs = {}
     for mode in ("autoregressive", "triforce"):
         proc = run("generate", "--model", tiny_folder, "--draft", "self", "--prompt", PROMPT, "--max-new-tokens", "12",
-                   "--mode", mode, "--budget", "64", "--json")
+                   "--mode", mode, "--budget", "64", "--chunk-size", "8", "--json")
         assert proc.returncode == 0, proc.stderr
         outs[mode] = json.loads(proc.stdout)
     assert outs["triforce"]["tokens"] == outs["autoregressive"]["tokens"]

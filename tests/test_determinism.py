@@ -24,7 +24,7 @@ def sampled(tiny_folder):
         if key not in done:
             proc = run("generate", "--model", tiny_folder, "--draft", "self", "--prompt", PROMPT, "--mode", mode,
                        "--max-new-tokens", NEW_TOKENS, "--temperature", "0.8", "--top-p", "0.9", "--seed", seed,
-                       "--budget", "64", "--json")
+                       "--budget", "64", "--chunk-size", "8", "--json")
             assert proc.returncode == 0, proc.stderr
             done[key] = json.loads(proc.stdout)["tokens"]
             assert len(done[key]) == NEW_TOKENS

@@ -31,7 +31,7 @@ def model(tmp_path_factory) -> Path:
 
 def generation_args(model: Path) -> list[str]:
     return ["--model", model, "--draft", "self", "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
-            "--budget", "64", "--device", "cpu", "--rope-scaling", "none"]
+            "--budget", "64", "--chunk-size", "8", "--device", "cpu", "--rope-scaling", "none"]
 
 
 def start(cmd: list, logs: Path) -> subprocess.Popen:
