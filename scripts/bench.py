@@ -304,8 +304,8 @@ class HFSystems:
 
 
 # ---------------------------------------------------------------------------------------- our engines
-def run_system(session, mode, cfg, prefilled, max_len):
-    gen = Generator(session.loaded.models, cfg, mode, max_len=max_len, prefilled=prefilled)
+def run_system(session, mode, cfg, prefilled, max_len, models=None):
+    gen = Generator(models or session.loaded.models, cfg, mode, max_len=max_len, prefilled=prefilled)
     synchronize(gen.device)
     start = time.perf_counter()
     tokens = gen.generate()

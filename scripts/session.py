@@ -16,6 +16,7 @@ from scripts.common import pick_device, resolve_draft, resolve_rope
 from speculative import Generator, ModelConfig, UserError
 from speculative.api import load, resolve_dtype
 from speculative.loader import check_shardable, load_tokenizer
+from speculative.quant import with_lower_weights
 
 AUTO_ROPE_MAX_FACTOR = 32
 
@@ -56,6 +57,9 @@ class Session:
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
         self.device = self.dist.device if self.dist else pick_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
+        if args.lower_weights != "same" and self.device != "cpu":
+            raise UserError(f"--lower-weights {args.lower_weights} is for the CPU path (torch's fused int8 kernel "
+                            "is CPU-only); use --lower-weights same on a GPU")
         self.draft = resolve_draft(args.model, args.draft)
         base_cfg = ModelConfig.from_folder(args.model)
         check_shardable(base_cfg, self.dist.world_size if self.dist else 1)
@@ -78,6 +82,8 @@ class Session:
                                world_size=self.dist.world_size if self.dist else 1)
         if self.dist:
             self.dist.attach(self.loaded.models.target)
+        # after attach: the int8 twin shares the target's all-reduce hook as it is then
+        self.loaded.models = with_lower_weights(self.loaded.models, args.lower_weights)
         return self
 
     def encode(self, text: str) -> list[int]:
@@ -100,7 +106,8 @@ class Session:
         params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
             cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size)
         kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * tokens
-        need = params * elem * (1 if self.draft == "self" else 1.5) + kv
+        weights = params * (elem + (1 if self.args.lower_weights == "int8" else 0))  # + the int8 copy
+        need = weights * (1 if self.draft == "self" else 1.5) + kv
         available = host_available_bytes()
         if available is not None and need > available:
             raise UserError(f"this run needs about {_size(need)} of memory (weights + KV cache for {tokens} tokens) "

@@ -25,6 +25,7 @@ from scripts.bench import BOOK, TIE_ULPS, first_mismatch, logit_gap_ulps, run_sy
 from scripts.common import add_engine_args, add_model_args, generation_config, prefill_progress, read_text, run_cli  # noqa: E402
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, UserError  # noqa: E402
+from speculative.quant import with_lower_weights  # noqa: E402
 
 LEVELS = ("draft", "middle", "verify")
 
@@ -39,6 +40,10 @@ def parse_args(argv):
     p.add_argument("--gamma1s", default="", help="drafter lengths (default: --gamma1)")
     p.add_argument("--gamma2s", default="", help="middle lengths (default: --gamma2)")
     p.add_argument("--chunk-sizes", default="", help="retrieval chunk sizes (default: --chunk-size)")
+    p.add_argument("--lower-weights-grid", default="", help="e.g. same,int8: the proposing levels' weights "
+                                                            "(default: --lower-weights)")
+    p.add_argument("--temperatures", default="", help="e.g. 0,0.6: greedy and sampled from one prefill "
+                                                       "(default: --temperature; --top-p applies to all)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (after one warm-up)")
     p.add_argument("--out", help="write the rows as JSON")
@@ -49,6 +54,14 @@ def parse_args(argv):
     args.max_new_tokens = args.new_tokens
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.grid = {name: _ints(getattr(args, name), name) for name in ("budgets", "gamma1s", "gamma2s", "chunk_sizes")}
+    args.lowers = [w.strip() for w in args.lower_weights_grid.split(",") if w.strip()] or [args.lower_weights]
+    args.lower_weights = "same"  # the session loads the exact weights; each setting derives its own proposers
+    try:
+        args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()] or [None]
+    except ValueError:
+        raise UserError(f"--temperatures '{args.temperatures}' must be comma-separated numbers") from None
+    if any(t is not None and t < 0 for t in args.temperatures):
+        raise UserError("--temperatures must be >= 0 (0 is greedy)")
     return args
 
 
@@ -61,19 +74,21 @@ def _ints(text: str, name: str) -> list[int | None]:
 
 
 def settings(args, base):
-    """Every engine configuration of the grid, as (mode, GenerationConfig)."""
-    for mode, budget, g1, g2, chunk in itertools.product(args.modes, *args.grid.values()):
+    """Every engine configuration of the grid, as (lower weights, mode, GenerationConfig)."""
+    for lower, temperature, mode, budget, g1, g2, chunk in itertools.product(args.lowers, args.temperatures, args.modes,
+                                                                             *args.grid.values()):
         cfg = replace(base, budget=budget or base.budget, gamma1=g1 or base.gamma1, gamma2=g2 or base.gamma2,
-                      chunk_size=chunk or base.chunk_size)
+                      chunk_size=chunk or base.chunk_size,
+                      temperature=base.temperature if temperature is None else temperature)
         if mode == "retrieval" and g1 not in (None, args.grid["gamma1s"][0]):
             continue  # gamma1 plays no part without a drafter
         if mode == "speculative" and (budget, chunk) != (args.grid["budgets"][0], args.grid["chunk_sizes"][0]):
             continue  # nor do the budget and chunk size without a retrieval level
-        yield mode, cfg
+        yield lower, mode, cfg
 
 
-def timed(session, mode, cfg, prefilled, max_len, repeats):
-    runs = [run_system(session, mode, cfg, prefilled, max_len) for _ in range(repeats + 1)][1:]
+def timed(session, mode, cfg, prefilled, max_len, repeats, models=None):
+    runs = [run_system(session, mode, cfg, prefilled, max_len, models) for _ in range(repeats + 1)][1:]
     tokens, _, stats = runs[0]
     seconds = statistics.median(r[1] for r in runs)
     return tokens, seconds, stats
@@ -93,8 +108,9 @@ def main(argv=None) -> int:
     prefilled = seed.snapshot()
     reference, ar_seconds, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
     rows, failed = [], False
-    for mode, cfg in settings(args, base):
-        tokens, seconds, stats = timed(session, mode, cfg, prefilled, max_len, args.repeats)
+    variants = {kind: with_lower_weights(session.loaded.models, kind) for kind in args.lowers}
+    for lower, mode, cfg in settings(args, base):
+        tokens, seconds, stats = timed(session, mode, cfg, prefilled, max_len, args.repeats, variants[lower])
         _, ar_again, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
         ar = statistics.median([ar_seconds, ar_again])
         at = first_mismatch(tokens, reference) if cfg.temperature == 0 else None
@@ -102,14 +118,16 @@ def main(argv=None) -> int:
         tie = at is not None and logit_gap_ulps(session, prefilled, reference, tokens, at) <= TIE_ULPS
         failed |= same is False and not (tie and args.accept_ties)
         d = stats.to_dict()
-        rows.append({"mode": mode, "budget": cfg.budget, "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1,
+        rows.append({"mode": mode, "lower_weights": lower, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                     "budget": cfg.budget, "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1,
                      "gamma2": cfg.gamma2,
                      "acceptance": d["acceptance"], "tokens_per_full_pass": d["tokens_per_full_pass"],
                      "ms_per_pass": {lv: 1e3 * d["seconds"][lv] / d["passes"][lv] for lv in LEVELS if d["passes"][lv]},
                      "tokens_per_second": (len(tokens) - 1) / seconds, "speedup": ar / seconds,
                      "autoregressive_ms_per_token": 1e3 * ar / (len(reference) - 1), "rebuilds": d["rebuilds"],
                      "same_tokens": same, "first_mismatch": at, "tie_only": tie})
-        session.console.print(f"  [dim]{mode} budget {cfg.budget} chunk {cfg.chunk_size} gammas {cfg.gamma1}/{cfg.gamma2}: "
+        session.console.print(f"  [dim]{mode} {lower} T={cfg.temperature:g} budget {cfg.budget} chunk {cfg.chunk_size} "
+                              f"gammas {cfg.gamma1}/{cfg.gamma2}: "
                               f"{rows[-1]['speedup']:.2f}x[/]")
     import torch
 
@@ -128,12 +146,12 @@ def print_rows(console, rows, title):
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("mode", "budget", "chunk", "γ1", "γ2", "acc. draft", "acc. middle", "tok/full pass", "ms/pass draft",
+    for col in ("mode", "lower", "T", "budget", "chunk", "γ1", "γ2", "acc. draft", "acc. middle", "tok/full pass", "ms/pass draft",
                 "ms/pass middle", "ms/pass verify", "AR ms/token", "tok/s", "speedup", "same"):
         t.add_column(col, justify="right")
     for r in rows:
         acc = r["acceptance"]
-        t.add_row(r["mode"], str(r["budget"]), str(r["chunk_size"]), str(r["gamma1"]), str(r["gamma2"]),
+        t.add_row(r["mode"], r.get("lower_weights", "same"), f"{r['temperature']:g}", str(r["budget"]), str(r["chunk_size"]), str(r["gamma1"]), str(r["gamma2"]),
                   *(_fmt(acc.get(k)) for k in ("draft->middle" if r["mode"] == "triforce" else "draft->verify",
                                                "middle->verify")),
                   _fmt(r["tokens_per_full_pass"]), *(_fmt(r["ms_per_pass"].get(lv), 1) for lv in LEVELS),

@@ -168,6 +168,7 @@ def self_drafter(target: Transformer, rotary) -> Transformer:
     if rotary is None:
         return target
     twin = copy.copy(target)
+    twin.__dict__.pop("forward", None)  # a wrapper bound to `target` (parallel's debug check) would use its RoPE
     twin.rotary = rotary
     return twin
 
@@ -180,6 +181,10 @@ class Models:
     # context: the drafter's positions are StreamingLLM slots (sinks + window), always inside the
     # trained range, where a scaling such as YaRN (new frequencies, attention temperature) only hurts
     self_draft_rotary: object | None = None
+    # The target's weights as the proposing levels read them (the retrieval middle, a self drafter):
+    # None for the exact weights, or an approximation (quant.int8_twin) that is cheaper to read. Only
+    # acceptance depends on it; the full-cache level verifies with `target`.
+    lower: Transformer | None = None
 
 
 class Generator:
@@ -201,9 +206,9 @@ class Generator:
         self.middle = self.drafter = None
         if mode in ("retrieval", "triforce"):
             cache = RetrievalCache(target.kv_shape(), cfg.budget, cfg.chunk_size, scratch=margin + 1)
-            self.middle = Level("middle", target, cache, self.stats)
+            self.middle = Level("middle", models.lower or target, cache, self.stats)
         if mode in ("speculative", "triforce"):
-            drafter = models.drafter or self_drafter(target, models.self_draft_rotary)
+            drafter = models.drafter or self_drafter(models.lower or target, models.self_draft_rotary)
             cache = StreamingCache(drafter.kv_shape(), drafter.rotary, cfg.sink_tokens, cfg.draft_window,
                                    slack=max(64, margin + 1))
             self.drafter = Level("draft", drafter, cache, self.stats)
@@ -224,6 +229,14 @@ class Generator:
         return Prefilled(self.full.cache, prompt, self.context[-1], queries, self.stats.prefill_seconds)
 
     def _adopt(self, pre: "Prefilled") -> None:
+        # The retrieval build and the drafter's window belong to prefill, not to the decode passes
+        self.stats.phase = "prefill"
+        try:
+            self._adopt_prefilled(pre)
+        finally:
+            self.stats.phase = "decode"
+
+    def _adopt_prefilled(self, pre: "Prefilled") -> None:
         pre.cache.rollback(len(pre.prompt))
         pre.cache.queries = list(pre.queries)
         self.full.tokens = list(pre.prompt)

@@ -98,6 +98,5 @@ class Transformer(nn.Module):
         if last_only:
             x = x[-1:]
         x = self.norm(x)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head)
+        logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -24,6 +24,7 @@ from parallel import setup_tensor_parallel
 from speculative import GenerationConfig, Generator, Models, UserError
 from speculative.caches import FullCache
 from speculative.loader import load_model
+from speculative.quant import int8_twin
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -88,10 +89,11 @@ def models_for(folder: Path, rank: int, world: int, dist=None) -> tuple:
     return target, drafter
 
 
-def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfig, offload: bool) -> dict:
+def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfig, offload: bool, lower=None) -> dict:
     ids = tokens(96, seed=2)
     factory = offload_factory()(device="cpu", prefill_chunk=cfg.prefill_chunk) if offload else None
-    gen = Generator(Models(target, drafter if use_drafter else None), cfg, mode, len(ids) + cfg.max_new_tokens,
+    models = Models(target, drafter if use_drafter else None, lower=lower)
+    gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens,
                     full_cache_factory=factory)
     gen.prefill(ids)
     out = {}
@@ -114,6 +116,7 @@ def compute(folders: dict, rank: int, world: int, dist=None) -> dict:
                          for mode, d in ENGINES for off in OFFLOAD}
     results["sampled"] = {(mode, d): generate(target, drafter, mode, d, SAMPLED, False)["tokens"]
                           for mode, d in ENGINES}
+    results["int8"] = generate(target, drafter, "triforce", False, GREEDY, False, lower=int8_twin(target))["tokens"]
     results["long"] = {mode: generate(target, drafter, mode, True, LONG, offload=mode == "triforce" and bool(OFFLOAD[-1]))
                        for mode in ("autoregressive", "triforce")}
     return results
@@ -208,6 +211,13 @@ def test_long_offloaded_triforce_with_tp2_is_autoregressive(runs):
         assert r["long"]["triforce"]["tokens"] == reference
         assert r["long"]["autoregressive"]["tokens"] == reference
         assert r["long"]["triforce"]["rebuilds"] > 20 and r["long"]["triforce"]["evictions"] > 20
+
+
+def test_int8_proposers_under_tp2_are_autoregressive(runs):
+    """Each rank quantizes its own shard for the proposing levels; the tokens stay the exact ones."""
+    reference = runs[1]["greedy"][("autoregressive", False, False)]["tokens"]
+    assert runs[1]["int8"] == reference
+    assert all(r["int8"] == reference for r in runs[2])
 
 
 def test_offload_available():

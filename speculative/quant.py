@@ -1,0 +1,93 @@
+"""Weight-only int8 copies of a model for the levels that only propose (drafter, retrieval middle).
+
+On CPU every level of the hierarchy reads the model's weights once per pass, and a single-token pass
+is bound by that read (SmolLM2-135M: ~70 of ~95 ms at a short context). The proposing levels never
+decide what is emitted, since the full-cache level verifies every token with the exact weights, so
+their weights may be approximated without changing the output distribution: an approximation can only
+lower acceptance. int8 with one scale per output channel halves the bytes read and, through torch's
+fused CPU kernel, about halves the time of a one-token matmul.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import UserError
+
+LOWER_WEIGHTS = ("same", "int8")
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 rows times a per-row scale (symmetric, absmax)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        w = weight.detach().float()
+        exact = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(weight.dtype).tiny)
+        scale = exact.to(weight.dtype)  # the kernel takes scales in the activations' dtype: round up to it
+        scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+        self.register_buffer("weight", (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.bias = bias  # shared with the exact layer, not copied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out = torch._weight_int8pack_mm(rows, self.weight, self.scale)  # fused dequantizing GEMM
+        else:  # float64 tests, other devices: correct, not fast
+            out = F.linear(rows, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], -1)
+
+
+def _quantized(linear: nn.Linear) -> Int8Linear:
+    return Int8Linear(linear.weight, linear.bias)
+
+
+def int8_twin(model: nn.Module) -> nn.Module:
+    """A shallow copy of `model` whose matmul weights (attention, MLP, output head) are int8.
+
+    Embeddings, norms, RoPE tables and the tensor-parallel all-reduce hook are shared with `model`;
+    each rank of a sharded model quantizes its own shard (scales are per output row, so this is exact
+    to the same rounding as an unsharded model's)."""
+    twin = copy.copy(model)
+    twin.__dict__.pop("forward", None)  # a wrapper bound to `model` (parallel's debug check) would run its weights
+    twin._modules = dict(model._modules)
+    layers = []
+    for block in model.layers:
+        b = copy.copy(block)
+        b._modules = dict(block._modules)
+        attention, mlp = copy.copy(block.attention), copy.copy(block.mlp)
+        attention._modules = {"wqkv": _quantized(block.attention.wqkv), "wo": _quantized(block.attention.wo)}
+        mlp._modules = {"w13": _quantized(block.mlp.w13), "w2": _quantized(block.mlp.w2)}
+        b._modules.update(attention=attention, mlp=mlp)
+        layers.append(b)
+    twin._modules["layers"] = nn.ModuleList(layers)
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    twin._modules["lm_head"] = Int8Linear(head, None)
+    return twin
+
+
+def lower_weights_for(model: nn.Module, kind: str) -> nn.Module | None:
+    """The model the proposing levels run for `--lower-weights kind`; None means the model itself."""
+    if kind not in LOWER_WEIGHTS:
+        raise UserError(f"unknown --lower-weights '{kind}': choose one of {', '.join(LOWER_WEIGHTS)}")
+    if kind == "same":
+        return None
+    if model.embed.weight.device.type != "cpu":
+        raise UserError("--lower-weights int8 is for the CPU path (torch's fused int8 kernel is CPU-only); "
+                        "use --lower-weights same on a GPU")
+    return int8_twin(model)
+
+
+def with_lower_weights(models, kind: str):
+    """`models` (engine.Models) with its proposing levels reading `kind` weights."""
+    if kind == "same":
+        return models
+    drafter = None if models.drafter is None else lower_weights_for(models.drafter, kind)
+    return replace(models, lower=lower_weights_for(models.target, kind), drafter=drafter)

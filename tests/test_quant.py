@@ -1,0 +1,102 @@
+"""Weight-only int8 proposing levels (--lower-weights int8): cheaper drafts, the same output.
+
+The int8 twin really is a different model (its logits differ from the target's), yet greedy output in
+every mode equals autoregressive decoding with the exact weights, and sampled output keeps exactly
+the target's distribution (the chi-square harness of test_sampling)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speculative import GenerationConfig, Models, UserError, generate_ids
+from speculative.caches import FullCache
+from speculative.loader import load_model
+from speculative.quant import Int8Linear, int8_twin, lower_weights_for, with_lower_weights
+from speculative.sampling import Sampler
+
+from .cli import assert_one_line_error, run
+from .conftest import save_tiny
+from .test_sampling import SETTINGS, chi_square_rejects, exact_joint, models, sample_joint  # noqa: F401 (fixture)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_int8_linear_is_the_dequantized_matmul(dtype):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=g).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    layer = Int8Linear(weight, bias)
+    assert layer.weight.dtype == torch.int8 and layer.weight.abs().max() >= 126
+    dequantized = layer.weight.double() * layer.scale.double()[:, None]
+    expected = F.linear(x.double(), dequantized, bias.double())
+    tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float64: 1e-10}[dtype]
+    assert torch.allclose(layer(x).double(), expected, atol=tol, rtol=tol)
+    # per-row absmax rounding: each weight is off by at most half a step
+    assert (dequantized - weight.double()).abs().max() <= layer.scale.double().max() / 2 + 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("q")
+    save_tiny(folder, seed=31, vocab=48, layers=2, attention_bias=True)
+    return load_model(folder, torch.float32)
+
+
+def test_the_twin_is_a_different_model_sharing_the_rest(tiny):
+    twin = int8_twin(tiny)
+    assert twin.embed is tiny.embed and twin.norm is tiny.norm and twin.rotary is tiny.rotary
+    assert isinstance(twin.layers[0].attention.wqkv, Int8Linear) and isinstance(tiny.layers[0].attention.wqkv, torch.nn.Linear)
+    assert twin.layers[0].attention_norm is tiny.layers[0].attention_norm
+    ids = torch.arange(20) % 48
+    exact = tiny(ids, FullCache(tiny.kv_shape(), 20))
+    approx = twin(ids, FullCache(twin.kv_shape(), 20))
+    assert not torch.equal(exact, approx)  # otherwise the lossless tests below would prove nothing
+    assert torch.allclose(exact, approx, atol=0.1)
+
+
+@pytest.mark.parametrize("mode,separate_drafter", [("speculative", False), ("speculative", True), ("retrieval", False),
+                                                   ("triforce", False), ("triforce", True)])
+def test_greedy_is_unchanged(tiny, mode, separate_drafter):
+    ids = torch.randint(0, 48, (120,), generator=torch.Generator().manual_seed(4)).tolist()
+    cfg = GenerationConfig(max_new_tokens=60, budget=48, chunk_size=8, gamma1=3, gamma2=4, draft_window=16,
+                           sink_tokens=4)
+    reference = generate_ids(Models(tiny, None), ids, "autoregressive", cfg)
+    models = with_lower_weights(Models(tiny, tiny if separate_drafter else None), "int8")
+    assert models.lower is not None and (models.drafter is None) != separate_drafter
+    result = generate_ids(models, ids, mode, cfg)
+    assert result.tokens == reference.tokens
+    assert result.stats.full_passes < 59
+
+
+def test_sampled_distribution_is_exact(models):  # noqa: F811 (the fixture)
+    target, _ = models
+    exact = exact_joint(target, Sampler(SETTINGS["temperature"]))
+    counts = sample_joint(with_lower_weights(Models(target, None), "int8"), "triforce", SETTINGS)
+    rejects, stat, critical = chi_square_rejects(counts, exact)
+    assert not rejects, f"chi-square {stat:.1f} > {critical:.1f}: int8 proposers changed the distribution"
+
+
+def test_unknown_kind_is_refused(tiny):
+    with pytest.raises(UserError, match="--lower-weights"):
+        lower_weights_for(tiny, "int4")
+
+
+def test_generate_cli_int8_gives_the_autoregressive_tokens(tiny_folder):
+    prompt = " ".join(f"t{i % 60 + 3}" for i in range(300))
+    common = ("--model", tiny_folder, "--draft", "self", "--prompt", prompt, "--max-new-tokens", 40,
+              "--budget", 64, "--chunk-size", 8, "--json")
+    reference = run("generate", *common, "--mode", "autoregressive")
+    assert reference.returncode == 0, reference.stderr
+    for mode in ("retrieval", "triforce"):
+        proc = run("generate", *common, "--mode", mode, "--lower-weights", "int8")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["tokens"] == json.loads(reference.stdout)["tokens"]
+
+
+def test_int8_on_a_gpu_is_one_line(tiny_folder):
+    proc = run("generate", "--model", tiny_folder, "--prompt", "t3 t4", "--device", "cuda", "--lower-weights", "int8")
+    # without CUDA the device check answers first; with it, the int8 check
+    assert_one_line_error(proc, *(["lower-weights"] if torch.cuda.is_available() else []))
