@@ -30,14 +30,18 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.markup import escape  # noqa: E402
+try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, not a traceback
+    import torch  # noqa: E402
+    from rich.console import Console  # noqa: E402
+    from rich.markup import escape  # noqa: E402
 
-from scripts.common import (add_engine_args, add_model_args, checked_generation_config, prefill_progress,  # noqa: E402
-                            read_text, resolve_rope, run_cli)
-from scripts.session import open_session, print_stats_table  # noqa: E402
-from speculative import ModelConfig, UserError, kvfile  # noqa: E402
+    from scripts.common import (add_engine_args, add_model_args, checked_generation_config,  # noqa: E402
+                                prefill_progress, read_text, resolve_rope, run_cli)
+    from scripts.session import open_session, print_stats_table  # noqa: E402
+    from speculative import ModelConfig, UserError, kvfile  # noqa: E402
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 from speculative.loader import load_tokenizer  # noqa: E402
 from speculative.stats import Stats  # noqa: E402
 

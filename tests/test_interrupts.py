@@ -137,3 +137,22 @@ def test_tensor_parallel_launcher(model, tmp_path, sig):
     """The signal goes to the launcher alone, as from a supervisor; it passes it to the workers."""
     cmd = ["bash", ROOT / "scripts" / "launch_tp.sh", *generation_args(model), "--mode", "autoregressive"]
     interrupted_run(cmd, model, tmp_path, sig, limit=30)
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0, 2.5])
+def test_chat_at_startup(model, tmp_path, delay):
+    """Ctrl-C while chat.py still imports torch (or loads, whichever the delay hits): an interrupt, no traceback."""
+    book = tmp_path / "book.txt"
+    book.write_text(PROMPT)
+    proc = start(command("chat", "--model", model, "--draft", "self", "--book", book, "--device", "cpu"), tmp_path)
+    try:
+        time.sleep(delay)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        stop(proc, model)
+    err = (tmp_path / "err").read_text()
+    assert "Traceback" not in err, err
+    if proc.returncode != 0:  # it may have reached the (empty) standard input and ended first
+        assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
