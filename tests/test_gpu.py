@@ -80,3 +80,16 @@ def test_cuda_graphs_give_the_same_tokens(models):
     assert all(w.replays > 0 and any(c.graph is not None for c in w.captured.values()) for w in wrapped)
     # a replay runs exactly the kernels of the static view: acceptance is identical, not just close
     assert dict(graph_gen.stats.accepted) == dict(static_gen.stats.accepted)
+
+
+@cuda
+@pytest.mark.parametrize("S", [299, 300])
+@pytest.mark.parametrize("T", [1, 2, 7])
+def test_grouped_attention_on_cuda_matches_float64(S, T):
+    """Odd key counts take a split path on CUDA (cuBLAS's fallback kernels are slow there)."""
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(T, 8, 64, generator=g)
+    keys, values = (torch.randn(2, S, 64, generator=g) for _ in "kv")
+    ref = attention._attend_grouped(q.double(), keys.double(), values.double())
+    got = attention._attend_grouped(q.cuda(), keys.cuda(), values.cuda())
+    torch.testing.assert_close(got.cpu().double(), ref, atol=1e-5, rtol=1e-5)
