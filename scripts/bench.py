@@ -564,6 +564,7 @@ def main(argv=None) -> int:
                   "settings": {"new_tokens": args.new_tokens, "repeats": args.repeats, "contexts": args.contexts,
                                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
                                "prompt_file": str(args.prompt_file or BOOK), "offload": args.offload,
+                               "lower_weights": args.lower_weights,
                                "hf_assisted_defaults": {"num_assistant_tokens": 20, "schedule": "constant",
                                                         "assistant_confidence_threshold": 0.4}},
                   "notes": {"bytes_read_per_token": "modelled: weights + KV each pass reads, from counted passes",

@@ -35,9 +35,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-chunk", type=int, default=4096, help="tokens per host->device copy when streaming KV")
     g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs for the drafter and middle levels")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
-    g.add_argument("--lower-weights", default="same", choices=["same", "int8"],
+    g.add_argument("--lower-weights", default="auto", choices=["auto", "same", "int8"],
                    help="weights the proposing levels read: same, or int8 (CPU: a weight-only int8 copy, "
-                        "about half the time per draft/middle pass; the output is unchanged, verified exactly)")
+                        "about half the time per draft/middle pass; the output is unchanged, verified exactly); "
+                        "auto: int8 on CPU, same on a GPU")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

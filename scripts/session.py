@@ -16,7 +16,7 @@ from scripts.common import pick_device, resolve_draft, resolve_rope
 from speculative import Generator, ModelConfig, UserError
 from speculative.api import load, resolve_dtype
 from speculative.loader import check_shardable, load_tokenizer
-from speculative.quant import with_lower_weights
+from speculative.quant import resolve_lower_weights, with_lower_weights
 
 AUTO_ROPE_MAX_FACTOR = 32
 
@@ -57,6 +57,7 @@ class Session:
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
         self.device = self.dist.device if self.dist else pick_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
+        args.lower_weights = resolve_lower_weights(args.lower_weights, self.device)
         if args.lower_weights != "same" and self.device != "cpu":
             raise UserError(f"--lower-weights {args.lower_weights} is for the CPU path (torch's fused int8 kernel "
                             "is CPU-only); use --lower-weights same on a GPU")
@@ -154,7 +155,7 @@ class Session:
                          "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,
                          "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
                          "rope_scaling": self.config.rope_scaling, "tp": self.dist.world_size if self.dist else 1,
-                         "offload": args.offload},
+                         "offload": args.offload, "lower_weights": args.lower_weights},
         }
 
     def _offload_timings(self):

@@ -25,7 +25,7 @@ from scripts.bench import BOOK, TIE_ULPS, first_mismatch, logit_gap_ulps, run_sy
 from scripts.common import add_engine_args, add_model_args, generation_config, prefill_progress, read_text, run_cli  # noqa: E402
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, UserError  # noqa: E402
-from speculative.quant import with_lower_weights  # noqa: E402
+from speculative.quant import resolve_lower_weights, with_lower_weights  # noqa: E402
 
 LEVELS = ("draft", "middle", "verify")
 
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     prefilled = seed.snapshot()
     reference, ar_seconds, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
     rows, failed = [], False
+    args.lowers = [resolve_lower_weights(kind, session.device) for kind in args.lowers]
     variants = {kind: with_lower_weights(session.loaded.models, kind) for kind in args.lowers}
     for lower, mode, cfg in settings(args, base):
         tokens, seconds, stats = timed(session, mode, cfg, prefilled, max_len, args.repeats, variants[lower])

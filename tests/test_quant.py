@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from speculative import GenerationConfig, Models, UserError, generate_ids
 from speculative.caches import FullCache
 from speculative.loader import load_model
-from speculative.quant import Int8Linear, int8_twin, lower_weights_for, with_lower_weights
+from speculative.quant import Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights, with_lower_weights
 from speculative.sampling import Sampler
 
 from .cli import assert_one_line_error, run
@@ -100,3 +100,9 @@ def test_int8_on_a_gpu_is_one_line(tiny_folder):
     proc = run("generate", "--model", tiny_folder, "--prompt", "t3 t4", "--device", "cuda", "--lower-weights", "int8")
     # without CUDA the device check answers first; with it, the int8 check
     assert_one_line_error(proc, *(["lower-weights"] if torch.cuda.is_available() else []))
+
+
+def test_auto_is_int8_on_cpu_only():
+    assert resolve_lower_weights("auto", "cpu") == "int8"
+    assert resolve_lower_weights("auto", "cuda") == "same"
+    assert resolve_lower_weights("same", "cpu") == "same" and resolve_lower_weights("int8", "cuda") == "int8"
