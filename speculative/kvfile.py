@@ -153,7 +153,7 @@ def load(path: str | Path, gen: Generator, key: dict, prompt: list[int]) -> list
         raise
     except Exception as e:  # safetensors / OS errors on a truncated or mangled file
         raise CacheInvalid(f"cannot be read ({type(e).__name__}: {str(e)[:80]})") from None
-    return list(queries.unbind(0))
+    return [q.to(gen.full.cache.k.device) for q in queries.unbind(0)]  # safetensors reads to the CPU
 
 
 def _read(f, name: str, digest) -> torch.Tensor:

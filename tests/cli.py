@@ -10,8 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def command(front: str, *args) -> list[str]:
-    """scripts/<front>.py on one thread; chat neither reads nor writes the user's saved KV caches."""
+    """scripts/<front>.py on one thread and, unless a test names a device, on the CPU (the default suite
+    tests the CPU path on any machine; tests/test_gpu.py covers CUDA); chat neither reads nor writes
+    the user's saved KV caches."""
     extra = ["--no-cache"] if front == "chat" else []
+    if "--device" not in map(str, args):
+        extra += ["--device", "cpu"]
     return [sys.executable, str(ROOT / "scripts" / f"{front}.py"), "--threads", "1", *extra, *map(str, args)]
 
 

@@ -2,7 +2,7 @@
 reference of what each cache must hold. Values encode token positions, so a shrunk
 counterexample reads as a list of operations and positions."""
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from speculative.caches import FullCache, KVShape, StreamingCache
@@ -50,6 +50,7 @@ def test_full_cache_matches_reference(operations):
 
 @settings(max_examples=60, deadline=None)
 @given(ops, st.integers(1, 4), st.integers(8, 20))
+@example([("append", 1)] * 12 + [("append", 8), ("rollback", 9), ("rollback", 9)], 1, 8)  # found on another machine
 def test_streaming_cache_holds_sinks_and_a_recent_suffix(operations, sinks, window):
     cache, reference = StreamingCache(SHAPE, ROTARY, sinks=sinks, window=window, slack=10), []
     for op, n in operations:
@@ -57,8 +58,9 @@ def test_streaming_cache_holds_sinks_and_a_recent_suffix(operations, sinks, wind
             new = list(range(len(reference), len(reference) + n))
             write(cache, new)
             reference += new
-        else:  # the engines roll back at most a round's speculation, which the window always holds
-            n = min(n, cache.used - (cache.sinks if cache.evictions else 0), len(reference))
+        else:  # the engines roll back at most a round's speculation, which the window always holds:
+            # once tokens were evicted, at least one window token must survive to be the newest
+            n = min(n, cache.used - (cache.sinks + 1 if cache.evictions else 0), len(reference))
             cache.rollback(len(reference) - n)
             del reference[len(reference) - n:]
         held = cache.v[0, 0, :cache.used, 0].long().tolist()
