@@ -146,15 +146,17 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
 
 
 class Traffic:
-    """Bytes a pass reads at each level: the weights plus the KV that level's cache holds."""
+    """Bytes a pass reads at each level: the weights plus the KV that level's cache holds. The
+    proposing levels read `lower_elem` bytes per weight (1 with --lower-weights int8)."""
 
     def __init__(self, target: ModelConfig, drafter: ModelConfig, elem: int, context: int, new_tokens: int,
-                 cfg):
+                 cfg, lower_elem: int | None = None):
         mean_len = context + new_tokens // 2
+        lower_elem = lower_elem or elem
         self.full = weight_bytes(target, elem) + kv_bytes_per_token(target, elem) * mean_len
-        self.middle = weight_bytes(target, elem) + kv_bytes_per_token(target, elem) * min(cfg.budget, context)
+        self.middle = weight_bytes(target, lower_elem) + kv_bytes_per_token(target, elem) * min(cfg.budget, context)
         window = min(cfg.sink_tokens + cfg.draft_window, context)
-        self.draft = weight_bytes(drafter, elem) + kv_bytes_per_token(drafter, elem) * window
+        self.draft = weight_bytes(drafter, lower_elem) + kv_bytes_per_token(drafter, elem) * window
         self.assistant_full = weight_bytes(drafter, elem) + kv_bytes_per_token(drafter, elem) * mean_len
 
     def ours(self, passes: dict) -> int:
@@ -379,7 +381,8 @@ def bench_context(session, args, ids, context, hf=None, hf_skip=None):
     reference = results.get("autoregressive", {}).get("tokens")
     drafter_cfg = session.loaded.models.drafter.cfg if session.loaded.models.drafter is not None else session.config
     elem = 2 if str(session.dtype).endswith(("bfloat16", "float16")) else 4
-    traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), args.new_tokens, cfg)
+    traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), args.new_tokens, cfg,
+                      lower_elem=1 if args.lower_weights == "int8" else elem)
     rows = []
     for mode in systems:
         r = results[mode]
@@ -567,7 +570,8 @@ def main(argv=None) -> int:
                                "lower_weights": args.lower_weights,
                                "hf_assisted_defaults": {"num_assistant_tokens": 20, "schedule": "constant",
                                                         "assistant_confidence_threshold": 0.4}},
-                  "notes": {"bytes_read_per_token": "modelled: weights + KV each pass reads, from counted passes",
+                  "notes": {"bytes_read_per_token": "modelled: weights (int8 proposers: 1 byte each) + KV each pass reads, "
+                                                        "from counted passes",
                             "bytes_moved_per_token": "measured host->device copies (--offload host only)",
                             "timing": "decode only (first token from prefill), median over repetitions after a warm-up"}}
         if args.out:

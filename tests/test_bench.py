@@ -159,3 +159,16 @@ def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, mo
     assert logit_gap_ulps(session, prefilled, reference, reference, 4) == 0
     assert logit_gap_ulps(session, prefilled, reference, other, 4) > TIE_ULPS
     assert run_system(session, "autoregressive", cfg, prefilled, 160)[0] == reference
+
+
+def test_traffic_counts_int8_proposer_weights_at_one_byte():
+    from speculative import GenerationConfig, ModelConfig
+
+    cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
+    gen = GenerationConfig(budget=256)
+    bf16, int8 = (bench.Traffic(cfg, cfg, 2, 2048, 32, gen, lower_elem=e) for e in (None, 1))
+    assert int8.full == bf16.full  # verification always reads the exact weights
+    weights = bench.weight_bytes(cfg, 2)
+    assert bf16.middle - int8.middle == weights - bench.weight_bytes(cfg, 1) == weights // 2
+    assert bf16.draft - int8.draft == weights // 2
