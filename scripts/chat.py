@@ -521,7 +521,8 @@ def _command(chat: Chat, line: str, console) -> bool:
         if chat.last is None:
             console.print("no answer yet: ask a question first")
         else:
-            print_stats_table(console, chat.gen.mode, chat.last.stats)
+            lower = chat.session.args.lower_weights if chat.session is not None else "same"
+            print_stats_table(console, chat.gen.mode, chat.last.stats, lower)
     elif name == "/reset":
         chat.reset()
         console.print("conversation dropped; the book is still loaded")

@@ -163,14 +163,14 @@ class Session:
         return cache.timings() if cache is not None and hasattr(cache, "timings") else None
 
     def print_stats(self, args, cfg, stats) -> None:
-        print_stats_table(Console(file=self.stdout), args.mode, stats)
+        print_stats_table(Console(file=self.stdout), args.mode, stats, args.lower_weights)
 
     def close(self) -> None:
         if self.dist:
             self.dist.close()
 
 
-def print_stats_table(console: Console, mode: str, stats) -> None:
+def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "same") -> None:
     d = stats.to_dict()
     table = Table(title=f"{mode}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
     table.add_column("statistic")
@@ -185,6 +185,8 @@ def print_stats_table(console: Console, mode: str, stats) -> None:
             rows.append((f"{level} passes / time", f"{d['passes'][level]} / {d['seconds'][level]:.2f} s"))
     if stats.rebuilds:
         rows.append(("retrieval cache builds", str(stats.rebuilds)))
+    if lower_weights != "same" and (d["passes"]["draft"] or d["passes"]["middle"]):
+        rows.append(("proposing levels' weights", lower_weights))
     if stats.bytes_moved is not None:
         rows.append(("bytes moved per token", f"{stats.bytes_moved / max(stats.new_tokens, 1) / 2**20:.1f} MiB"))
     for name, value in rows:
