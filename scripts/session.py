@@ -57,7 +57,7 @@ class Session:
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
         self.device = self.dist.device if self.dist else pick_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
-        args.lower_weights = resolve_lower_weights(args.lower_weights, self.device)
+        args.lower_weights = resolve_lower_weights(args.lower_weights, self.device, self.dtype)
         if args.lower_weights != "same" and self.device != "cpu":
             raise UserError(f"--lower-weights {args.lower_weights} is for the CPU path (torch's fused int8 kernel "
                             "is CPU-only); use --lower-weights same on a GPU")

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     prefilled = seed.snapshot()
     reference, ar_seconds, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
     rows, failed = [], False
-    args.lowers = [resolve_lower_weights(kind, session.device) for kind in args.lowers]
+    args.lowers = [resolve_lower_weights(kind, session.device, session.dtype) for kind in args.lowers]
     variants = {kind: with_lower_weights(session.loaded.models, kind) for kind in args.lowers}
     for lower, mode, cfg in settings(args, base):
         tokens, seconds, stats = timed(session, mode, cfg, prefilled, max_len, args.repeats, variants[lower])

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from speculative import GenerationConfig, Models, UserError, generate_ids
 from speculative.caches import FullCache
 from speculative.loader import load_model
-from speculative.quant import Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights, with_lower_weights
+from speculative.quant import (INT8_KERNEL_MAX_ROWS, Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights,
+                               with_lower_weights)
 from speculative.sampling import Sampler
 
 from .cli import assert_one_line_error, run
@@ -50,11 +51,13 @@ def test_the_twin_is_a_different_model_sharing_the_rest(tiny):
     assert twin.embed is tiny.embed and twin.norm is tiny.norm and twin.rotary is tiny.rotary
     assert isinstance(twin.layers[0].attention.wqkv, Int8Linear) and isinstance(tiny.layers[0].attention.wqkv, torch.nn.Linear)
     assert twin.layers[0].attention_norm is tiny.layers[0].attention_norm
-    ids = torch.arange(20) % 48
+    ids = torch.arange(INT8_KERNEL_MAX_ROWS) % 48  # a pass as short as a draft or middle one
     exact = tiny(ids, FullCache(tiny.kv_shape(), 20))
     approx = twin(ids, FullCache(twin.kv_shape(), 20))
     assert not torch.equal(exact, approx)  # otherwise the lossless tests below would prove nothing
     assert torch.allclose(exact, approx, atol=0.1)
+    long = torch.arange(INT8_KERNEL_MAX_ROWS + 1) % 48  # a prefill-sized pass reads the exact weights
+    assert torch.equal(tiny(long, FullCache(tiny.kv_shape(), 20)), twin(long, FullCache(twin.kv_shape(), 20)))
 
 
 @pytest.mark.parametrize("mode,separate_drafter", [("speculative", False), ("speculative", True), ("retrieval", False),
@@ -102,7 +105,22 @@ def test_int8_on_a_gpu_is_one_line(tiny_folder):
     assert_one_line_error(proc, *(["lower-weights"] if torch.cuda.is_available() else []))
 
 
-def test_auto_is_int8_on_cpu_only():
-    assert resolve_lower_weights("auto", "cpu") == "int8"
-    assert resolve_lower_weights("auto", "cuda") == "same"
+def test_auto_is_int8_in_half_precision_on_cpu_only():
+    assert resolve_lower_weights("auto", "cpu", torch.bfloat16) == "int8"
+    assert resolve_lower_weights("auto", "cpu", torch.float32) == "same"  # the kernel is slower than fp32 matmul
+    assert resolve_lower_weights("auto", "cuda", torch.bfloat16) == "same"
     assert resolve_lower_weights("same", "cpu") == "same" and resolve_lower_weights("int8", "cuda") == "int8"
+
+
+def test_stats_table_names_int8_proposers(tiny):
+    from rich.console import Console
+
+    from scripts.session import print_stats_table
+
+    ids = torch.randint(0, 48, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = GenerationConfig(max_new_tokens=8, budget=16, chunk_size=4, gamma1=2, gamma2=3, draft_window=8, sink_tokens=2)
+    stats = generate_ids(with_lower_weights(Models(tiny, None), "int8"), ids, "triforce", cfg).stats
+    for kind in ("int8", "same"):
+        console = Console(record=True, width=120)
+        print_stats_table(console, "triforce", stats, kind)
+        assert ("proposing levels' weights" in console.export_text()) == (kind == "int8")
