@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Lossless hierarchical speculative decoding (TriForce) for long-context Llama-family models",
     python_requires=">=3.10",
-    packages=find_packages(include=["speculative*", "offload*", "parallel*", "scripts*"]),
+    packages=find_packages(include=["model*", "speculative*", "offload*", "parallel*", "scripts*"]),
     install_requires=[
         "torch>=2.4",  # CI pins the CPU build: pip install torch==2.13.0 first
         "transformers>=4.45",

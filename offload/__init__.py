@@ -10,31 +10,31 @@ from __future__ import annotations
 
 import torch
 
-from speculative.caches import KVShape
+from model.kv import KVShape
 
 from .counters import Counters
-from .planner import Plan, Request, free_device_memory, generator_reserve, plan, shape_request
+from .planner import Plan, Request, free_device_memory, plan, shape_request
 from .store import HostStore, OffloadedCache
 
 DEFAULT_CHUNK_TOKENS = 4096
 
 
 def full_cache_factory(device, prefill_chunk: int, onchip_layers: int | str = 0,
-                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS, reserve_bytes: int = 0,
-                       free_bytes: int | None = None, prefetch_next: bool | None = None, on_plan=None):
-    """A `(shape, max_len) -> OffloadedCache` callable for `Generator(full_cache_factory=...)`.
+                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS, free_bytes: int | None = None,
+                       prefetch_next: bool | None = None, on_plan=None):
+    """A `(shape, max_len, reserve_bytes=0) -> OffloadedCache` callable for
+    `Generator(full_cache_factory=...)`, which passes as reserve_bytes the device memory its other
+    caches take after this one (speculative.engine.CacheSizes).
 
     onchip_layers: layers kept resident on the device, or "auto" for as many as fit (planned on
     CUDA or with free_bytes; on CPU without free_bytes "auto" means 0, so everything streams).
-    reserve_bytes: device memory to leave for caches allocated after this one (see
-    `planner.generator_reserve`). free_bytes: override the measured free memory (tests).
-    on_plan: called with the Plan, e.g. to print it.
+    free_bytes: override the measured free memory (tests). on_plan: called with the Plan, e.g. to print it.
     """
     device = torch.device(device)
     if onchip_layers not in ("auto", None) and not isinstance(onchip_layers, int):
         raise ValueError(f"onchip_layers must be an int or 'auto', got {onchip_layers!r}")
 
-    def make(shape: KVShape, max_len: int) -> OffloadedCache:
+    def make(shape: KVShape, max_len: int, reserve_bytes: int = 0) -> OffloadedCache:
         onchip = None if onchip_layers in ("auto", None) else onchip_layers
         if device.type == "cuda" or free_bytes is not None:
             free = free_bytes if free_bytes is not None else free_device_memory(device)
@@ -49,4 +49,4 @@ def full_cache_factory(device, prefill_chunk: int, onchip_layers: int | str = 0,
 
 
 __all__ = ["full_cache_factory", "OffloadedCache", "HostStore", "Counters", "Plan", "Request", "plan",
-           "free_device_memory", "generator_reserve", "shape_request"]
+           "free_device_memory", "shape_request"]

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.caches import KVShape
-from speculative.errors import UserError
+from model.kv import KVShape
+from model.errors import UserError
 
 GiB = 2**30
 DEFAULT_WORKSPACE = 512 * 2**20  # activations, logits, allocator slack
@@ -133,17 +133,3 @@ def shape_request(shape: KVShape, max_len: int, onchip_layers: int | None = 0, r
     """The request for a full cache of `shape`, with `reserve` bytes kept for caches made after it."""
     return Request(shape.num_layers, shape.bytes_per_token // shape.num_layers, max_len,
                    retrieval_cache=reserve, workspace=workspace, onchip_layers=onchip_layers)
-
-
-def generator_reserve(target_shape: KVShape, drafter_shape: KVShape | None, mode: str, budget: int,
-                      gamma1: int, gamma2: int, sinks: int, window: int) -> int:
-    """Bytes of the retrieval and StreamingLLM caches a Generator allocates after the full cache
-    (same sizes as speculative.engine.Generator computes them)."""
-    margin = gamma1 + gamma2 + 2
-    total = 0
-    if mode in ("retrieval", "triforce"):
-        total += target_shape.bytes_per_token * (budget + margin + 1)
-    if mode in ("speculative", "triforce"):
-        shape = drafter_shape or target_shape
-        total += shape.bytes_per_token * (sinks + window + max(64, margin + 1))
-    return total

@@ -7,16 +7,16 @@ on it unchanged; the first `onchip_layers` layers stay resident on the device.
 
 Layout is token-major, (layers, tokens, kv_heads, head_dim), unlike FullCache's head-major one:
 a layer's live prefix [:length] and every chunk of it is then one contiguous block (one DMA per
-chunk), and it is flash-attn's KV layout. The attention math is `speculative.attention.attend`
+chunk), and it is flash-attn's KV layout. The attention math is `model.attention.attend`
 on a transposed view, so offloading changes no number the model computes.
 """
 from __future__ import annotations
 
 import torch
 
-from speculative.attention import attend
-from speculative.caches import KVShape
-from speculative.errors import UserError
+from model.attention import attend
+from model.kv import KVShape
+from model.errors import UserError
 
 from .counters import Counters
 from .streamer import Streamer

@@ -1,8 +1,9 @@
 """Tensor-parallel process group: one process per rank, launched by torchrun.
 
-The model itself knows nothing about processes (speculative/model.py); the loader gives each rank
-its Megatron shard, and `attach` installs the one collective tensor parallelism needs: the sum of
-the row-parallel partial outputs (attention's wo, the MLP's w2) across ranks.
+The model itself knows nothing about processes (model/transformer.py); the loader gives each rank
+its Megatron shard, and `attach` hands model.tensor_parallel.apply_tp the one collective tensor
+parallelism needs: the sum of the row-parallel partial outputs (attention's wo, the MLP's w2).
+The same `all_reduce` (with its failure handling) serves the front ends' own collectives.
 
 Every rank then computes bit-identical logits (an all-reduce hands every rank the same sum, and
 everything after it - norm, replicated LM head, sampling with a generator seeded alike - is
@@ -24,7 +25,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from speculative.errors import UserError
+from model.errors import UserError
+from model.tensor_parallel import apply_tp
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "SPEC_TP_TIMEOUT"  # seconds a collective may wait for the other ranks
@@ -83,6 +85,25 @@ class TensorParallel:
             raise self._stopped(e) from None
         return x
 
+    def all_agree(self, ok: bool) -> bool:
+        """True when every rank says ok (one small all-reduce of a 0/1 flag; a lone process: ok)."""
+        if self.group is None:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        return self.all_reduce(flag).item() == 0
+
+    def share(self, read):
+        """read() on rank 0, its (picklable) result on every rank: under torchrun only rank 0 has the
+        terminal, and the other ranks follow what it read."""
+        if self.group is None:
+            return read()
+        box = [read() if self.rank == 0 else None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as e:
+            raise self._stopped(e) from None
+        return box[0]
+
     def check_consistent(self, x: torch.Tensor, what: str = "logits") -> None:
         """Raise if ranks hold different x (one small all-reduce and a host sync: debugging only)."""
         s = x.double().sum().reshape(1)
@@ -105,22 +126,13 @@ class TensorParallel:
 
     # ------------------------------------------------------------------ model
     def attach(self, model):
-        """Install the all-reduce into a model loaded with this world size (its local shard)."""
+        """Sum the row-parallel outputs of a model loaded with this world size (its local shard)
+        across the group (model.tensor_parallel.apply_tp); SPEC_TP_CHECK adds the logits check."""
         if model.world_size != self.world_size:
             raise ValueError(f"model was sharded for world size {model.world_size}, the group has {self.world_size}")
         if self.group is None:
-            return model  # one rank: the identity hook is already right
-        model.all_reduce = self.all_reduce
-        if self.check:
-            forward = model.forward
-
-            def checked_forward(*args, **kwargs):
-                logits = forward(*args, **kwargs)
-                self.check_consistent(logits)
-                return logits
-
-            model.forward = checked_forward
-        return model
+            return model  # one rank: nothing to sum
+        return apply_tp(model, self.all_reduce, self.check_consistent if self.check else None)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -140,7 +140,7 @@ def kv_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
 
 
 def weight_bytes(cfg: ModelConfig, elem: int) -> int:
-    from speculative.costmodel import ModelShape
+    from scripts.costmodel import ModelShape
 
     return ModelShape.from_config(cfg, bytes_per_value=elem).weight_bytes_read
 

@@ -42,7 +42,7 @@ try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, n
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     sys.exit(130)
-from speculative.loader import load_tokenizer  # noqa: E402
+from model.loader import load_tokenizer  # noqa: E402
 from speculative.stats import Stats  # noqa: E402
 
 SYSTEM = ("You are a helpful assistant. The user wants to talk about the book {name}, given below. Answer "
@@ -258,7 +258,7 @@ def load_or_prefill(args, session, gen, book: Book, console) -> list[torch.Tenso
             console.print(f"loaded the prefilled book from {escape(str(path))} in {time.perf_counter() - start:.1f} s")
         except kvfile.CacheInvalid as e:
             console.print(f"[yellow]the saved cache {escape(str(path))} {escape(str(e))}: rebuilding it[/]")
-    if not _all_ranks(queries is not None):
+    if session.dist is not None and not session.dist.all_agree(queries is not None):
         if queries is not None:  # the failing rank's console is quiet: say why this rank prefills
             console.print("[yellow]another tensor-parallel rank's saved cache is unusable: rebuilding them all[/]")
         queries = None
@@ -295,28 +295,6 @@ def _mib(size: int) -> str:
     return f"{size / 2**20:,.1f} MiB"
 
 
-def _all_ranks(ok: bool) -> bool:
-    """True when every tensor-parallel rank says ok (a rank with a bad file makes all prefill)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ok
-    votes = [None] * dist.get_world_size()
-    dist.all_gather_object(votes, ok)
-    return all(votes)
-
-
-def share(read):
-    """read() on rank 0, its result on every rank (under torchrun only rank 0 has the terminal)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return read()
-    box = [read() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # ------------------------------------------------------------------------------- conversation
 @dataclass
 class Answer:
@@ -336,10 +314,12 @@ class Chat:
         self.session = session
         self.is_main = session is None or session.is_main  # under torchrun only rank 0 writes files
         self.out = sys.stdout if session is None else session.stdout
+        dist = session.dist if session is not None else None
+        self.share = dist.share if dist is not None else (lambda read: read())  # rank 0 reads the terminal
         self.turns: list[Answer] = []  # the conversation the caches hold
         self.log: list[Answer | None] = []  # everything said, None marking a /reset (for /save)
         self.last: Answer | None = None
-        kvfile.restore(gen, book.prompt, queries)
+        gen.resume(book.prompt, queries)
 
     def ask(self, question: str, on_tokens=None) -> Answer:
         """Answer one question. A Ctrl-C while the question is read raises KeyboardInterrupt with
@@ -389,7 +369,7 @@ class Chat:
     def reset(self) -> None:
         """Back to the book alone: the conversation was only appended, so the book's K/V are intact."""
         with held_interrupts():
-            kvfile.restore(self.gen, self.book.prompt, self.queries)
+            self.gen.resume(self.book.prompt, self.queries)
         self.turns = []
         self.log.append(None)
 
@@ -468,7 +448,7 @@ def repl(chat: Chat, stdin, out, show_levels: bool = False) -> int:
     if show_levels:
         console.print(LEGEND)
     while True:
-        line = share(lambda: _read_line(stdin, out))
+        line = chat.share(lambda: _read_line(stdin, out))
         if line is None:
             out.write("\n")
             out.flush()

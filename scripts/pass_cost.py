@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     from speculative.api import resolve_dtype
     from speculative.caches import FullCache
-    from speculative.loader import load_model
+    from model.loader import load_model
 
     args = parse_args(argv)
     if args.threads:

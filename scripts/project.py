@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from speculative import costmodel as cm  # noqa: E402
+from scripts import costmodel as cm  # noqa: E402
 
 LABEL = "PROJECTION (bandwidth cost model, not a measurement)"
 

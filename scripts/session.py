@@ -15,8 +15,9 @@ from rich.table import Table
 from scripts.common import pick_device, resolve_draft, resolve_rope
 from speculative import Generator, ModelConfig, UserError
 from speculative.api import load, resolve_dtype
-from speculative.loader import check_shardable, load_tokenizer
-from speculative.quant import resolve_lower_weights, with_lower_weights
+from model.loader import load_tokenizer
+from model.tensor_parallel import check_shardable
+from model.quant import resolve_lower_weights, with_lower_weights
 
 AUTO_ROPE_MAX_FACTOR = 32
 
@@ -118,21 +119,15 @@ class Session:
         factory = None
         if self.args.offload == "host":
             from offload import full_cache_factory
-            from offload.planner import generator_reserve
 
-            models = self.loaded.models
-            onchip = onchip_layers(self.args)
-            reserve = generator_reserve(models.target.kv_shape(), models.drafter.kv_shape() if models.drafter else None,
-                                        self.args.mode, cfg.budget, cfg.gamma1, cfg.gamma2, cfg.sink_tokens,
-                                        cfg.draft_window)
-            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk, onchip_layers=onchip,
-                                         chunk_tokens=self.args.offload_chunk, reserve_bytes=reserve)
+            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk,
+                                         onchip_layers=onchip_layers(self.args), chunk_tokens=self.args.offload_chunk)
         gen = Generator(self.loaded.models, cfg, self.args.mode, max_len=max_len, full_cache_factory=factory)
         self._last_full_cache = gen.full.cache
         if self.args.cuda_graphs:
             if not str(self.device).startswith("cuda"):
                 raise UserError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
-            from offload.graphs import enable_cuda_graphs
+            from speculative.graphs import enable_cuda_graphs
 
             enable_cuda_graphs(gen)
         return gen
@@ -160,7 +155,7 @@ class Session:
 
     def _offload_timings(self):
         cache = getattr(self, "_last_full_cache", None)
-        return cache.timings() if cache is not None and hasattr(cache, "timings") else None
+        return cache.timings() if cache is not None else None
 
     def print_stats(self, args, cfg, stats) -> None:
         print_stats_table(Console(file=self.stdout), args.mode, stats, args.lower_weights)

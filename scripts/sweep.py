@@ -25,7 +25,7 @@ from scripts.bench import BOOK, TIE_ULPS, first_mismatch, logit_gap_ulps, run_sy
 from scripts.common import add_engine_args, add_model_args, generation_config, prefill_progress, read_text, run_cli  # noqa: E402
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, UserError  # noqa: E402
-from speculative.quant import resolve_lower_weights, with_lower_weights  # noqa: E402
+from model.quant import resolve_lower_weights, with_lower_weights  # noqa: E402
 
 LEVELS = ("draft", "middle", "verify")
 

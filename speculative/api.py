@@ -13,11 +13,13 @@ from typing import Callable
 
 import torch
 
-from .config import GenerationConfig, ModelConfig
+from model.config import ModelConfig
+from model.errors import UserError
+from model.loader import load_model, load_tokenizer, same_tokenizer
+from model.rope import Rotary
+
+from .config import GenerationConfig
 from .engine import Generator, Models
-from .errors import UserError
-from .loader import load_model, load_tokenizer, same_tokenizer
-from .rope import Rotary
 from .stats import Stats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}

@@ -1,40 +1,16 @@
 """KV caches: preallocated static-shape buffers, written in place, rolled back by a length pointer.
 
-Every cache speaks the same protocol to the model:
-    positions = cache.begin(T)               # RoPE positions of the T new tokens (may evict first)
-    out = cache.attend(layer, q, k, v)       # store k, v of the new tokens, attend, per layer
-    cache.end(T)                             # the forward completed: the tokens are now cached
-    cache.rollback(length)                   # forget everything after `length` tokens
-`length` counts tokens of the sequence the cache represents (not slots), so engines reason in
-sequence positions whatever the cache keeps.
+Each implements `model.kv.Cache` (the full cache also `model.kv.FullKV`). `length` counts tokens of
+the sequence the cache represents (not slots), so engines reason in sequence positions whatever the
+cache keeps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .attention import attend
-from .errors import UserError
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What a cache must hold per token: the (possibly tensor-parallel, local) KV layout."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def buffer(self, slots: int) -> torch.Tensor:
-        return torch.zeros(self.num_layers, self.num_kv_heads, slots, self.head_dim,
-                           dtype=self.dtype, device=self.device)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+from model.attention import attend
+from model.errors import UserError
+from model.kv import KVShape
 
 
 class SlotCache:
@@ -70,12 +46,10 @@ class SlotCache:
 
 
 class FullCache(SlotCache):
-    """Every token of the sequence, in order: slot i holds token i.
+    """Every token of the sequence, in order, on the model's device: slot i holds token i
+    (`model.kv.FullKV`; offload.OffloadedCache is the same protocol over host memory)."""
 
-    This is the interface the offloaded store implements too. Besides the model protocol it
-    offers what the retrieval cache reads: key chunk means, gathers, slices, and the rotated
-    queries of the last forward (to score chunks with).
-    """
+    bytes_moved = 0  # nothing crosses a link: the cache lives where the model computes
 
     def __init__(self, shape: KVShape, max_len: int, prefill_chunk: int = 512):
         super().__init__(shape, max_len)
@@ -95,6 +69,9 @@ class FullCache(SlotCache):
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
         self.used = self.length = length
+
+    def timings(self) -> None:
+        return None  # no transfers to time
 
     # --- what the retrieval cache reads ---
     def chunk_key_means(self, layer: int, chunk: int, n_chunks: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ differs, feeding what is missing) and returns the logits of the last n positions
 extend a context by n tokens and return the distributions they drew them from:
 
     autoregressive proposer   one level sampling token by token (the drafter, or the middle level)
-    speculative proposer      a lower proposer drafts gamma tokens, this level verifies them in one
+    speculative proposer      a source proposer drafts gamma tokens, this level verifies them in one
                               pass; what it returns is distributed exactly as this level's model
 
 The top level verifies gamma proposals per pass against the full cache and commits.
@@ -26,11 +26,13 @@ from typing import Callable
 
 import torch
 
+from model.errors import UserError
+from model.kv import KVShape
+from model.transformer import Transformer
+
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
-from .errors import UserError
-from .model import Transformer
-from .retrieval import RetrievalCache, check_budget
+from .retrieval import RebuildPolicy, RetrievalCache, check_budget
 from .sampling import Sampler, draw, verify_greedy, verify_sampled
 from .stats import Stats
 
@@ -130,21 +132,21 @@ class AutoregressiveProposer:
 
 
 class SpeculativeProposer:
-    """This level verifies `gamma` drafts of the lower proposer per pass; returns n tokens drawn
+    """This level verifies `gamma` drafts of its source proposer per pass; returns n tokens drawn
     exactly from this level's model, with this level's distribution for each (passed upward)."""
 
-    def __init__(self, level: Level, lower, gamma: int, sampling: Sampling, stats_key: str):
-        self.level, self.lower, self.gamma, self.sampling, self.key = level, lower, gamma, sampling, stats_key
+    def __init__(self, level: Level, source, gamma: int, sampling: Sampling, stats_key: str):
+        self.level, self.source, self.gamma, self.sampling, self.key = level, source, gamma, sampling, stats_key
 
     def propose(self, context: list[int], n: int, stable: int):
         tokens, dists, origins = [], [], []
         while len(tokens) < n:
-            drafts, draft_probs = self.lower.propose(context + tokens, min(self.gamma, n - len(tokens)), stable)
+            drafts, draft_probs = self.source.propose(context + tokens, min(self.gamma, n - len(tokens)), stable)
             logits = self.level.run(context + tokens + drafts, len(drafts) + 1, stable)
             accepted, nxt, probs = self.sampling.verify(drafts, draft_probs, logits)
             self.level.stats.add_acceptance(self.key, len(drafts), accepted)
             tokens += drafts[:accepted] + [nxt]
-            origins += self.lower.origins[:accepted] + [self.level.name]
+            origins += self.source.origins[:accepted] + [self.level.name]
             if probs is not None:
                 dists += list(probs[:accepted + 1])
         self.origins = origins[:n]
@@ -168,7 +170,6 @@ def self_drafter(target: Transformer, rotary) -> Transformer:
     if rotary is None:
         return target
     twin = copy.copy(target)
-    twin.__dict__.pop("forward", None)  # a wrapper bound to `target` (parallel's debug check) would use its RoPE
     twin.rotary = rotary
     return twin
 
@@ -184,7 +185,37 @@ class Models:
     # The target's weights as the proposing levels read them (the retrieval middle, a self drafter):
     # None for the exact weights, or an approximation (quant.int8_twin) that is cheaper to read. Only
     # acceptance depends on it; the full-cache level verifies with `target`.
-    lower: Transformer | None = None
+    proposing_target: Transformer | None = None
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """Slots of every cache a Generator allocates, decided here once. The offload planner reads
+    `after_full_bytes` to keep device memory for the caches made after the full one."""
+
+    full: int  # every token: the longest sequence plus one round's proposals
+    budget: int | None  # the retrieval cache's persistent slots (None: no middle level)
+    scratch: int  # the retrieval cache's slots for one round's proposals
+    streaming_slack: int | None  # the drafter's eviction slack (None: no drafter)
+    sinks: int
+    window: int
+
+    @classmethod
+    def of(cls, cfg: GenerationConfig, mode: str, max_len: int) -> "CacheSizes":
+        margin = cfg.gamma1 + cfg.gamma2 + 2  # tokens one round can add beyond the committed ones
+        return cls(full=max_len + margin,
+                   budget=cfg.budget if mode in ("retrieval", "triforce") else None, scratch=margin + 1,
+                   streaming_slack=max(64, margin + 1) if mode in ("speculative", "triforce") else None,
+                   sinks=cfg.sink_tokens, window=cfg.draft_window)
+
+    def after_full_bytes(self, target: KVShape, drafter: KVShape | None) -> int:
+        """Bytes of the retrieval and StreamingLLM caches."""
+        total = 0
+        if self.budget is not None:
+            total += target.bytes_per_token * (self.budget + self.scratch)
+        if self.streaming_slack is not None:
+            total += (drafter or target).bytes_per_token * (self.sinks + self.window + self.streaming_slack)
+        return total
 
 
 class Generator:
@@ -192,6 +223,8 @@ class Generator:
 
     def __init__(self, models: Models, cfg: GenerationConfig, mode: str, max_len: int,
                  full_cache_factory: Callable | None = None, prefilled: "Prefilled | None" = None):
+        """full_cache_factory(shape, slots, reserve_bytes) makes the full cache (default: a FullCache on
+        the target's device); `reserve_bytes` is what the other caches will take after it."""
         if mode not in MODES:
             raise UserError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
         self.models, self.cfg, self.mode, self.max_len = models, cfg, mode, max_len
@@ -199,55 +232,67 @@ class Generator:
         self.device = target.embed.weight.device
         self.stats = Stats()
         self.sampling = Sampling(cfg, self.device)
-        margin = cfg.gamma1 + cfg.gamma2 + 2
-        make_full = full_cache_factory or (lambda shape, n: FullCache(shape, n, cfg.prefill_chunk))
-        full_cache = prefilled.cache if prefilled else make_full(target.kv_shape(), max_len + margin)
+        self.sizes = sizes = CacheSizes.of(cfg, mode, max_len)
+        proposing = models.proposing_target or target
+        drafter = None
+        if sizes.streaming_slack is not None:
+            drafter = models.drafter or self_drafter(proposing, models.self_draft_rotary)
+        if prefilled:
+            full_cache = prefilled.cache
+        else:
+            make_full = full_cache_factory or (lambda shape, slots, reserve: FullCache(shape, slots, cfg.prefill_chunk))
+            reserve = sizes.after_full_bytes(target.kv_shape(), drafter.kv_shape() if drafter else None)
+            full_cache = make_full(target.kv_shape(), sizes.full, reserve)
         self.full = Level("verify", target, full_cache, self.stats)
-        self.middle = self.drafter = None
-        if mode in ("retrieval", "triforce"):
-            cache = RetrievalCache(target.kv_shape(), cfg.budget, cfg.chunk_size, scratch=margin + 1)
-            self.middle = Level("middle", models.lower or target, cache, self.stats)
-        if mode in ("speculative", "triforce"):
-            drafter = models.drafter or self_drafter(models.lower or target, models.self_draft_rotary)
-            cache = StreamingCache(drafter.kv_shape(), drafter.rotary, cfg.sink_tokens, cfg.draft_window,
-                                   slack=max(64, margin + 1))
+        self.middle = self.drafter = self.rebuilds = None
+        if sizes.budget is not None:
+            cache = RetrievalCache(target.kv_shape(), sizes.budget, cfg.chunk_size, scratch=sizes.scratch)
+            self.middle = Level("middle", proposing, cache, self.stats)
+            self.rebuilds = RebuildPolicy(cfg.rebuild_threshold)
+        if drafter is not None:
+            cache = StreamingCache(drafter.kv_shape(), drafter.rotary, sizes.sinks, sizes.window,
+                                   slack=sizes.streaming_slack)
             self.drafter = Level("draft", drafter, cache, self.stats)
         self.proposer, self.gamma = self._compose()
         self.context: list[int] = []
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
-        self._recent_acceptance: list[float] = []
         if prefilled:
-            self._adopt(prefilled)
+            self.resume(prefilled.prompt, prefilled.queries, prefilled.first)
 
-    # ------------------------------------------------------------------ shared prefill
+    # ------------------------------------------------------------------ resuming a prefilled prompt
     def snapshot(self) -> "Prefilled":
         """What another generator needs to start from this one's prefill (right after prefill()):
         the full cache (its prompt part stays valid: decoding only writes after it) and the last
         prompt token's queries, which score the retrieval chunks."""
         prompt = self.context[:-1]
-        queries = [q[-1:].clone() for q in self.full.cache.queries]
+        queries = [q[-1].clone() for q in self.full.cache.queries]
         return Prefilled(self.full.cache, prompt, self.context[-1], queries, self.stats.prefill_seconds)
 
-    def _adopt(self, pre: "Prefilled") -> None:
-        # The retrieval build and the drafter's window belong to prefill, not to the decode passes
-        self.stats.phase = "prefill"
+    def resume(self, prompt: list[int], queries: list[torch.Tensor], first: int | None = None) -> None:
+        """Stand where prefill(prompt) left a generator, given a full cache that holds at least the
+        prompt's K/V in its first len(prompt) slots (a snapshot's, one loaded from disk, or this
+        generator's own after a conversation) and the last prompt token's rotated queries (Hq, D) per
+        layer. With `first`, that sampled token follows the prompt (as after prefill); without it the
+        context ends with the prompt (as after truncate(len(prompt)): a chat's user turn comes next).
+        Sampling restarts from the seed and statistics start afresh, so what follows does not
+        depend on where the prompt's cache came from."""
+        self.stats.phase = "prefill"  # the retrieval build and the drafter's window belong to prefill
         try:
-            self._adopt_prefilled(pre)
+            self.full.cache.rollback(len(prompt))
+            self.full.cache.queries = [q[None] for q in queries]
+            self.full.tokens = list(prompt)
+            self.context = list(prompt) + ([] if first is None else [first])
+            self.committed = len(self.context)
+            self.sampling.generator.manual_seed(self.cfg.seed)
+            self.reset_stats()
+            self.stats.prompt_tokens = len(prompt)
+            if self.middle is not None:
+                check_budget(self.cfg.budget, self.cfg.chunk_size, len(prompt))
+                self._rebuild(query_index=-1)
+            if self.drafter is not None and self.drafter.tokens != list(prompt):
+                self._restart_drafter(list(prompt))
         finally:
             self.stats.phase = "decode"
-
-    def _adopt_prefilled(self, pre: "Prefilled") -> None:
-        pre.cache.rollback(len(pre.prompt))
-        pre.cache.queries = list(pre.queries)
-        self.full.tokens = list(pre.prompt)
-        self.context = pre.prompt + [pre.first]
-        self.committed = len(self.context)
-        self.stats.prompt_tokens = len(pre.prompt)
-        if self.middle is not None:
-            check_budget(self.cfg.budget, self.cfg.chunk_size, len(pre.prompt))
-            self._rebuild(query_index=-1)
-        if self.drafter is not None:
-            self._prefill_drafter(pre.prompt)
 
     def _compose(self):
         cfg, s = self.cfg, self.sampling
@@ -257,8 +302,8 @@ class Generator:
             return AutoregressiveProposer(self.drafter, s), cfg.gamma1
         if self.mode == "retrieval":
             return AutoregressiveProposer(self.middle, s), cfg.gamma2
-        lower = AutoregressiveProposer(self.drafter, s)
-        return SpeculativeProposer(self.middle, lower, cfg.gamma1, s, "draft->middle"), cfg.gamma2
+        drafts = AutoregressiveProposer(self.drafter, s)
+        return SpeculativeProposer(self.middle, drafts, cfg.gamma1, s, "draft->middle"), cfg.gamma2
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompt: list[int], progress: Callable | None = None) -> int:
@@ -356,6 +401,7 @@ class Generator:
         queries = [q[query_index] for q in self.full.cache.queries]
         self.middle.cache.build(self.full.cache, n, queries)
         self.middle.tokens = self.context[:n]
+        self.rebuilds.reset()
         self.stats.rebuilds += 1
 
     # ------------------------------------------------------------------ decode
@@ -366,7 +412,7 @@ class Generator:
         out = [self.context[-1]]
         if on_tokens:  # on_tokens(tokens, levels): levels[i] names the level that produced tokens[i]
             on_tokens([self.context[-1]], [self.full.name])
-        moved = getattr(self.full.cache, "bytes_moved", None)  # offloaded caches count their copies
+        moved = self.full.cache.bytes_moved  # an offloaded cache counts its copies
         start = time.perf_counter()
         while len(out) < budget and out[-1] not in stop_ids:
             new = self.step()
@@ -380,7 +426,7 @@ class Generator:
                 on_tokens(new, self.origins[:len(new)])
         synchronize(self.device)
         self.stats.decode_seconds += time.perf_counter() - start
-        if moved is not None:  # decode bytes only: prefill's copies are left out
+        if self.full.cache.timings() is not None:  # decode bytes only: prefill's copies are left out
             self.stats.bytes_moved = (self.stats.bytes_moved or 0) + self.full.cache.bytes_moved - moved
         self.stats.new_tokens += len(out)
         self.stats.decode_tokens += len(out) - 1
@@ -396,8 +442,8 @@ class Generator:
         logits = self.full.run(self.context + drafts, len(drafts) + 1, stable)
         accepted, nxt, _ = self.sampling.verify(drafts, draft_probs, logits)
         if drafts:
-            lower = "draft" if self.mode == "speculative" else "middle"
-            self.stats.add_acceptance(f"{lower}->verify", len(drafts), accepted)
+            proposer = "draft" if self.mode == "speculative" else "middle"
+            self.stats.add_acceptance(f"{proposer}->verify", len(drafts), accepted)
         new = drafts[:accepted] + [nxt]
         self.origins = (self.proposer.origins[:accepted] if drafts else []) + [self.full.name]
         self.context += new
@@ -410,13 +456,9 @@ class Generator:
     def _update_middle(self, accepted: int, proposed: int) -> None:
         """Copy exact KV of committed tokens into the retrieval cache, or rebuild it."""
         n = self.committed - 1
-        self._recent_acceptance = (self._recent_acceptance + [accepted / max(proposed, 1)])[-4:]
-        low = (self.cfg.rebuild_threshold > 0 and len(self._recent_acceptance) == 4
-               and sum(self._recent_acceptance) / 4 < self.cfg.rebuild_threshold)
-        cache = self.middle.cache
-        if low or n - cache.base > cache.room():
+        self.rebuilds.record(accepted, proposed)
+        if self.rebuilds.due(self.middle.cache, n):
             self._rebuild(query_index=accepted)  # the query of the last committed token
-            self._recent_acceptance = []
         else:
-            cache.absorb(self.full.cache, n)
+            self.middle.cache.absorb(self.full.cache, n)
             self.middle.tokens = self.context[:n]

@@ -5,8 +5,9 @@ token, which a chat never uses: the user's turn follows the prompt):
     K, V of the prompt      the full cache's [:length], per layer, in the model's dtype
     the prompt's token ids  so the levels know what the cache holds
     the last token's query  per layer (rotated): the retrieval cache is scored with it
-The retrieval cache is then rebuilt from the restored full cache and the drafter's StreamingLLM
-state from the prompt's sinks and last window (both cheap next to a prefill).
+`Generator.resume(prompt, queries)` then rebuilds the retrieval cache from the restored full cache
+and the drafter's StreamingLLM state from the prompt's sinks and last window (both cheap next to
+a prefill).
 
 File format: safetensors (readable by any safetensors tool), written by a small streaming writer
 so saving a long cache never copies it whole. Metadata holds the caller's key (what the cache
@@ -46,27 +47,6 @@ def supported(gen: Generator) -> bool:
 def last_queries(gen: Generator) -> list[torch.Tensor]:
     """Per layer (Hq, D): the rotated query of the newest token, right after prefill()."""
     return [q[-1].detach().clone() for q in gen.full.cache.queries]
-
-
-def restore(gen: Generator, prompt: list[int], queries: list[torch.Tensor]) -> None:
-    """Put `gen` where prefill(prompt) then truncate(len(prompt)) leaves it, given a full cache whose
-    first len(prompt) slots hold the prompt's K/V (just loaded, or still there after a conversation
-    was appended to it). Sampling restarts from the seed, so what follows does not depend on
-    whether the prompt came from disk."""
-    n = len(prompt)
-    cache = gen.full.cache
-    cache.used = cache.length = n  # FullCache: slot i holds token i
-    cache.queries = [q[None] for q in queries]
-    gen.full.tokens = list(prompt)
-    gen.context = list(prompt)
-    gen.committed = n
-    gen.sampling.generator.manual_seed(gen.cfg.seed)
-    gen.reset_stats()
-    gen.stats.prompt_tokens = n
-    if gen.middle is not None:
-        gen._rebuild(query_index=-1)
-    if gen.drafter is not None and gen.drafter.tokens != list(prompt):  # right after prefill() it is there
-        gen._restart_drafter(list(prompt))
 
 
 # ---------------------------------------------------------------------------------------- writing
@@ -127,10 +107,11 @@ def key_text(key: dict) -> str:
 
 # ---------------------------------------------------------------------------------------- reading
 def load(path: str | Path, gen: Generator, key: dict, prompt: list[int]) -> list[torch.Tensor]:
-    """Read a saved prompt into gen's full cache and return its queries; `restore` then makes it
-    live. Raises CacheInvalid, having made nothing live, when the file is not exactly what `key`
-    and `prompt` describe. K/V are copied into the cache's slots while the checksum is computed
-    (one pass, one layer in memory at a time); the slots count only once `restore` runs."""
+    """Read a saved prompt into gen's full cache and return its queries; `gen.resume(prompt, queries)`
+    then makes it live. Raises CacheInvalid, having changed no length pointer, when the file is not
+    exactly what `key` and `prompt` describe. K/V are copied into the cache's slots while the
+    checksum is computed (one pass, one layer in memory at a time); the cache's length becomes the
+    prompt's only once every byte is checked."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -149,6 +130,7 @@ def load(path: str | Path, gen: Generator, key: dict, prompt: list[int]) -> list
             _read_kv(f, gen.full.cache, len(prompt), digest)
             if digest.hexdigest() != meta.get("sha256"):
                 raise CacheInvalid("is corrupt (checksum mismatch)")
+            gen.full.cache.used = gen.full.cache.length = len(prompt)  # slot i holds token i
     except CacheInvalid:
         raise
     except Exception as e:  # safetensors / OS errors on a truncated or mangled file

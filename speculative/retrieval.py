@@ -14,22 +14,58 @@ from __future__ import annotations
 
 import torch
 
-from .caches import FullCache, KVShape, SlotCache
-from .errors import UserError
+from model.errors import UserError
+from model.kv import KVShape
+
+from .caches import FullCache, SlotCache
 
 
-def check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
+MIN_CHUNKS = 4  # sink + one retrieved + the recent tail, which spans two chunks when the length is not a multiple
+
+
+def check_budget_shape(budget: int, chunk_size: int) -> None:
+    """The one rule for a budget on its own (GenerationConfig applies it too): a positive multiple of
+    the chunk size holding at least MIN_CHUNKS chunks, so at least one chunk is always retrieved."""
     if budget <= 0 or chunk_size <= 0:
         raise UserError(f"budget ({budget}) and chunk size ({chunk_size}) must be positive")
     if budget % chunk_size:
         raise UserError(f"budget {budget} is not a multiple of the chunk size {chunk_size}; "
-                        f"use --budget {max(chunk_size, budget - budget % chunk_size)}")
-    if budget < 3 * chunk_size:
-        raise UserError(f"budget {budget} is below three chunks of {chunk_size} (sink, recent, one "
-                        f"retrieved); raise --budget")
+                        f"use --budget {max(MIN_CHUNKS * chunk_size, budget - budget % chunk_size)}")
+    if budget < MIN_CHUNKS * chunk_size:
+        raise UserError(f"budget {budget} holds fewer than {MIN_CHUNKS} chunks of {chunk_size} (sink, recent tail, "
+                        f"one retrieved); use --budget {MIN_CHUNKS * chunk_size} or more, or a smaller --chunk-size")
+
+
+def check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
+    """The budget rule, and a prompt long enough for retrieval to choose from."""
+    check_budget_shape(budget, chunk_size)
     if budget >= prompt_len:
         raise UserError(f"budget {budget} is not smaller than the prompt ({prompt_len} tokens), so "
                         f"retrieval has nothing to choose; lower --budget or give a longer prompt")
+
+
+class RebuildPolicy:
+    """When the retrieval cache is rebuilt rather than absorbing the newly committed tokens: when
+    no replaceable slot is left for them, or (threshold > 0) when the middle level's acceptance,
+    averaged over the last WINDOW full-cache passes, drops below the threshold - the context the
+    generation needs has moved away from what was retrieved."""
+
+    WINDOW = 4
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self.recent: list[float] = []
+
+    def record(self, accepted: int, proposed: int) -> None:
+        self.recent = (self.recent + [accepted / max(proposed, 1)])[-self.WINDOW:]
+
+    def due(self, cache: "RetrievalCache", n_tokens: int) -> bool:
+        low = (self.threshold > 0 and len(self.recent) == self.WINDOW
+               and sum(self.recent) / self.WINDOW < self.threshold)
+        return low or n_tokens - cache.base > cache.room()
+
+    def reset(self) -> None:
+        self.recent = []
 
 
 def chunk_scores(query: torch.Tensor, means: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from speculative import GenerationConfig, Generator, Models, UserError
-from speculative.caches import FullCache, KVShape, StreamingCache
-from speculative.loader import load_model
+from model.kv import KVShape
+from speculative.caches import FullCache, StreamingCache
+from model.loader import load_model
 from speculative.retrieval import RetrievalCache, check_budget
-from speculative.rope import Rotary
+from model.rope import Rotary
 
 from .conftest import save_tiny
 

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from speculative import costmodel as cm
+from scripts import costmodel as cm
 
 
 def _setting(**kw):

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from offload import full_cache_factory
-from offload.graphs import enable_cuda_graphs
+from speculative.graphs import enable_cuda_graphs
 from speculative import GenerationConfig, Models
 from speculative import attention
 from speculative.engine import Generator
-from speculative.loader import load_model
+from model.loader import load_model
 
 from .conftest import save_tiny
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from speculative import GenerationConfig, Models, generate_ids
-from speculative.loader import load_model
+from model.loader import load_model
 
 from .conftest import save_tiny, save_tokenizer
 

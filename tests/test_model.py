@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from speculative.caches import FullCache, StreamingCache
-from speculative.config import ModelConfig
-from speculative.loader import load_model
-from speculative.rope import rope_frequencies
+from model.config import ModelConfig
+from model.loader import load_model
+from model.rope import rope_frequencies
 
 from .conftest import hf_config, save_tiny
 

@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from offload import OffloadedCache, full_cache_factory
-from offload.graphs import GraphedModel, StaticView, enable_cuda_graphs
-from offload.planner import GiB, Request, generator_reserve, plan, shape_request
+from speculative.graphs import GraphedModel, StaticView, enable_cuda_graphs
+from offload.planner import GiB, Request, plan, shape_request
 from speculative import GenerationConfig, Models
-from speculative.caches import FullCache, KVShape
-from speculative.engine import Generator
-from speculative.errors import UserError
-from speculative.loader import load_model
+from model.kv import KVShape
+from speculative.caches import FullCache
+from speculative.engine import CacheSizes, Generator
+from model.errors import UserError
+from model.loader import load_model
 
 from .conftest import save_tiny
 
@@ -191,8 +192,9 @@ def test_factory_plans_before_allocating():
     assert cache.onchip == SHAPE.num_layers == seen[0].onchip_layers
     r = shape_request(shape, 1024, reserve=5)
     assert r.layer_bytes == 1024 * 2 * 32 * 128 * 2 and r.retrieval_cache == 5
-    assert generator_reserve(shape, None, "triforce", 4096, 4, 6, 4, 256) == \
-        shape.bytes_per_token * (4096 + 13 + 4 + 256 + 64)
+    sizes = CacheSizes.of(GenerationConfig(budget=4096, gamma1=4, gamma2=6, sink_tokens=4, draft_window=256),
+                          "triforce", max_len=1000)
+    assert sizes.after_full_bytes(shape, None) == shape.bytes_per_token * (4096 + 13 + 4 + 256 + 64)
 
 
 # ---------------------------------------------------------------------- engines
@@ -217,6 +219,20 @@ def run(models, mode, ids, cfg, factory=None, graphs=False):
 
 CFG = GenerationConfig(max_new_tokens=50, budget=40, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
                        sink_tokens=4, prefill_chunk=24)
+
+
+def test_generator_reserves_its_other_caches(pair):
+    """The full cache is made first; the factory is told what the retrieval and drafter caches will take."""
+    seen = []
+
+    def factory(shape, slots, reserve_bytes):
+        seen.append(reserve_bytes)
+        return full_cache_factory("cpu", CFG.prefill_chunk)(shape, slots, reserve_bytes)
+
+    target = pair[0]
+    gen = Generator(Models(target, None), CFG, "triforce", 400, full_cache_factory=factory)
+    assert seen == [gen.sizes.after_full_bytes(target.kv_shape(), None)]
+    assert seen[0] == gen.middle.cache.nbytes() + gen.drafter.cache.nbytes()
 
 
 @pytest.mark.parametrize("mode,use_drafter", [("autoregressive", False), ("speculative", True),

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from speculative import GenerationConfig, Models, UserError, generate_ids
 from speculative.caches import FullCache
-from speculative.loader import load_model
-from speculative.quant import (INT8_KERNEL_MAX_ROWS, Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights,
+from model.loader import load_model
+from model.quant import (INT8_KERNEL_MAX_ROWS, Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights,
                                with_lower_weights)
 from speculative.sampling import Sampler
 
@@ -68,7 +68,7 @@ def test_greedy_is_unchanged(tiny, mode, separate_drafter):
                            sink_tokens=4)
     reference = generate_ids(Models(tiny, None), ids, "autoregressive", cfg)
     models = with_lower_weights(Models(tiny, tiny if separate_drafter else None), "int8")
-    assert models.lower is not None and (models.drafter is None) != separate_drafter
+    assert models.proposing_target is not None and (models.drafter is None) != separate_drafter
     result = generate_ids(models, ids, mode, cfg)
     assert result.tokens == reference.tokens
     assert result.stats.full_passes < 59

@@ -41,7 +41,7 @@ def test_real_checkpoint_logits_match_transformers(name):
     from transformers import AutoModelForCausalLM
 
     from speculative.caches import FullCache
-    from speculative.loader import load_model
+    from model.loader import load_model
 
     folder = ROOT / "models" / name
     if not folder.is_dir():

@@ -14,7 +14,7 @@ import torch
 import speculative.sampling as sampling
 from speculative import GenerationConfig, Generator, Models
 from speculative.caches import FullCache
-from speculative.loader import load_model
+from model.loader import load_model
 from speculative.sampling import Sampler
 
 from .conftest import save_tiny

@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from parallel import setup_tensor_parallel
 from speculative import GenerationConfig, Generator, Models, UserError
 from speculative.caches import FullCache
-from speculative.loader import load_model
-from speculative.quant import int8_twin
+from model.loader import load_model
+from model.quant import int8_twin
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -92,7 +92,7 @@ def models_for(folder: Path, rank: int, world: int, dist=None) -> tuple:
 def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfig, offload: bool, lower=None) -> dict:
     ids = tokens(96, seed=2)
     factory = offload_factory()(device="cpu", prefill_chunk=cfg.prefill_chunk) if offload else None
-    models = Models(target, drafter if use_drafter else None, lower=lower)
+    models = Models(target, drafter if use_drafter else None, proposing_target=lower)
     gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens,
                     full_cache_factory=factory)
     gen.prefill(ids)

@@ -79,7 +79,7 @@ class GraphedModel:
     def __call__(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         T = tokens.shape[0]
         graphs = tokens.is_cuda and not self.eager_static
-        if T > self.max_tokens or not (graphs or self.eager_static) or not hasattr(cache, "used"):
+        if T > self.max_tokens or not (graphs or self.eager_static):
             return self.model(tokens, cache, last_only)
         positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
         key = (id(cache), T, last_only)

@@ -2,7 +2,7 @@
 
 Batch size is one sequence: tokens are (T,). q/k/v and gate/up are fused into single matmuls
 (fewer, larger kernels matter on CPU). Head counts are per-instance so tensor parallelism can
-shard them; `all_reduce` is identity here and replaced by the parallel runtime.
+shard them; model/tensor_parallel.py sums the sharded partial outputs with forward hooks.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .caches import KVShape
+from .kv import KVShape
 from .config import ModelConfig
 from .rope import Rotary, apply_rotary
 
@@ -78,7 +78,6 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_len)
-        self.all_reduce = lambda x: x  # the parallel runtime sums row-parallel partial outputs here
 
     def kv_shape(self) -> KVShape:
         p = self.embed.weight
@@ -92,8 +91,8 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, block in enumerate(self.layers):
-            x = x + self.all_reduce(block.attention(block.attention_norm(x), cos, sin, cache, i))
-            x = x + self.all_reduce(block.mlp(block.mlp_norm(x)))
+            x = x + block.attention(block.attention_norm(x), cos, sin, cache, i)
+            x = x + block.mlp(block.mlp_norm(x))
         cache.end(T)
         if last_only:
             x = x[-1:]

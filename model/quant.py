@@ -64,7 +64,6 @@ def int8_twin(model: nn.Module) -> nn.Module:
     each rank of a sharded model quantizes its own shard (scales are per output row, so this is exact
     to the same rounding as an unsharded model's)."""
     twin = copy.copy(model)
-    twin.__dict__.pop("forward", None)  # a wrapper bound to `model` (parallel's debug check) would run its weights
     twin._modules = dict(model._modules)
     layers = []
     for block in model.layers:
@@ -109,4 +108,4 @@ def with_lower_weights(models, kind: str):
     if kind == "same":
         return models
     drafter = None if models.drafter is None else lower_weights_for(models.drafter, kind)
-    return replace(models, lower=lower_weights_for(models.target, kind), drafter=drafter)
+    return replace(models, proposing_target=lower_weights_for(models.target, kind), drafter=drafter)

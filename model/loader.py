@@ -13,8 +13,9 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
 from .errors import UserError
-from .model import Transformer
 from .rope import Rotary
+from .tensor_parallel import check_shardable, shard
+from .transformer import Transformer
 
 
 class CheckpointReader:
@@ -56,29 +57,29 @@ class CheckpointReader:
 
 
 def _layer_tensors(reader: CheckpointReader, cfg: ModelConfig, i: int, rank: int, world: int) -> dict:
-    """Our parameter names for layer i -> tensors, fused and sharded Megatron-style.
+    """Our parameter names for layer i -> tensors, fused and sharded (model/tensor_parallel.py).
 
-    Column-parallel (split outputs): q, k, v, gate, up. Row-parallel (split inputs): o, down; their
-    biases are added once, on rank 0, because the all-reduce sums every rank's output.
+    The row-parallel layers' biases are added once, on rank 0, because the all-reduce sums every
+    rank's output; a column-parallel bias is split like its weight's rows.
     """
     hf = f"model.layers.{i}."
-    col = dict(dim=0, part=rank, parts=world)
-    row = dict(dim=1, part=rank, parts=world)
+    qkv, o = shard("attention.wqkv", rank, world), shard("attention.wo", rank, world)
+    gate_up, down = shard("mlp.w13", rank, world), shard("mlp.w2", rank, world)
     out = {
         "attention_norm.weight": reader.read(hf + "input_layernorm.weight"),
         "mlp_norm.weight": reader.read(hf + "post_attention_layernorm.weight"),
-        "attention.wqkv.weight": torch.cat([reader.read(hf + f"self_attn.{p}_proj.weight", **col) for p in "qkv"]),
-        "attention.wo.weight": reader.read(hf + "self_attn.o_proj.weight", **row),
-        "mlp.w13.weight": torch.cat([reader.read(hf + f"mlp.{p}_proj.weight", **col) for p in ("gate", "up")]),
-        "mlp.w2.weight": reader.read(hf + "mlp.down_proj.weight", **row),
+        "attention.wqkv.weight": torch.cat([reader.read(hf + f"self_attn.{p}_proj.weight", **qkv) for p in "qkv"]),
+        "attention.wo.weight": reader.read(hf + "self_attn.o_proj.weight", **o),
+        "mlp.w13.weight": torch.cat([reader.read(hf + f"mlp.{p}_proj.weight", **gate_up) for p in ("gate", "up")]),
+        "mlp.w2.weight": reader.read(hf + "mlp.down_proj.weight", **down),
     }
     if cfg.qkv_bias:
-        out["attention.wqkv.bias"] = torch.cat([reader.read(hf + f"self_attn.{p}_proj.bias", **col) for p in "qkv"])
+        out["attention.wqkv.bias"] = torch.cat([reader.read(hf + f"self_attn.{p}_proj.bias", **qkv) for p in "qkv"])
     if cfg.o_bias:
         bias = reader.read(hf + "self_attn.o_proj.bias")
         out["attention.wo.bias"] = bias if rank == 0 else torch.zeros_like(bias)
     if cfg.mlp_bias:
-        out["mlp.w13.bias"] = torch.cat([reader.read(hf + f"mlp.{p}_proj.bias", **col) for p in ("gate", "up")])
+        out["mlp.w13.bias"] = torch.cat([reader.read(hf + f"mlp.{p}_proj.bias", **gate_up) for p in ("gate", "up")])
         bias = reader.read(hf + "mlp.down_proj.bias")
         out["mlp.w2.bias"] = bias if rank == 0 else torch.zeros_like(bias)
     return {f"layers.{i}.{k}": v for k, v in out.items()}
@@ -111,13 +112,6 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     model.rotary = Rotary(cfg, max_len)  # the one built under the meta device holds no values
     model.rotary.inv_freq = model.rotary.inv_freq.to(device)
     return model.eval().requires_grad_(False)
-
-
-def check_shardable(cfg: ModelConfig, world_size: int) -> None:
-    """Tensor parallelism splits heads and the MLP evenly over the ranks."""
-    if cfg.num_kv_heads % world_size or cfg.num_heads % world_size or cfg.intermediate_size % world_size:
-        raise UserError(f"tensor parallel degree {world_size} does not divide the model's {cfg.num_kv_heads} KV "
-                        f"heads / {cfg.num_heads} heads; use --tp 1 or a divisor of {cfg.num_kv_heads}")
 
 
 def load_tokenizer(folder: str | Path):

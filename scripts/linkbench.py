@@ -1,8 +1,8 @@
 """Measure the link on a GPU: pinned host->device bandwidth, and how much of a full-cache pass's
 copy time the double buffer hides behind compute, on a model with random weights.
 
-    python -m offload.linkbench                      # Llama2-7B shape, 160K tokens of KV (bf16)
-    python -m offload.linkbench --context 65536 --tokens 1 7 --onchip 4
+    python -m scripts.linkbench                      # Llama2-7B shape, 160K tokens of KV (bf16)
+    python -m scripts.linkbench --context 65536 --tokens 1 7 --onchip 4
 
 Prints one JSON line per setting. No checkpoint needed: KV is random and written straight into
 the host store, so a pass costs what it would at that context.
@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from speculative.config import ModelConfig
+from model.config import ModelConfig
 from speculative.engine import synchronize
-from speculative.model import Transformer
+from model.transformer import Transformer
 
-from .store import OffloadedCache
+from offload.store import OffloadedCache
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                         num_kv_heads=32, head_dim=128, max_position_embeddings=131072)
