@@ -224,18 +224,27 @@ def prefill_progress(console, total: int, label: str = "prefill"):
 
 
 def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
-    """Run a front end: user errors become one line on stderr, Ctrl-C a clean exit."""
+    """Run a front end: user errors become one line on stderr, Ctrl-C or SIGTERM a clean exit (130).
+
+    A signal is an interruption even when it first shows up as something else: under tensor
+    parallelism every worker gets it, and one that is waiting in a collective sees its peer leave
+    before its own handler runs (a `UserError` naming the peer). Such a run still ends as
+    "interrupted", said once (by rank 0), and a worker in a process group leaves without tearing
+    the group down: with its peers gone, gloo's or NCCL's teardown can abort in C++ ("terminate
+    called without an active exception")."""
     import signal
 
-    working = [True]  # SIGTERM interrupts the work once; after that (or after the work ended) it just exits
+    state = {"working": True, "signalled": False}
 
-    def terminate(signum, frame):
-        if working[0]:
-            working[0] = False
-            raise KeyboardInterrupt
-        # torchrun stops the other workers when one fails, often while they already unwind or
-        # run atexit hooks: leave quietly instead of raising inside interpreter shutdown
-        _leave(128 + signum)
+    def interrupt(signum, frame):
+        state["signalled"] = True
+        if signum == signal.SIGINT and state["working"]:
+            raise KeyboardInterrupt  # as Python's own handler: every Ctrl-C (chat stops an answer with one)
+        if signum != signal.SIGINT:  # SIGTERM interrupts the work once; after that it just exits
+            if state["working"]:
+                state["working"] = False
+                raise KeyboardInterrupt
+            _leave(128 + signum)
 
     def starting(signum, frame):
         # torch takes seconds to import, and a KeyboardInterrupt raised inside an import can leave it
@@ -246,36 +255,49 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
 
     handles = threading_main()  # signals can only be handled in the main thread
     if handles:
-        previous = signal.signal(signal.SIGINT, starting)
+        # set, not inherited: a shell that starts a job in the background makes it ignore SIGINT
+        signal.signal(signal.SIGINT, starting)
         signal.signal(signal.SIGTERM, starting)
     from speculative import UserError
 
     if handles:
-        signal.signal(signal.SIGINT, previous)
-        signal.signal(signal.SIGTERM, terminate)
+        signal.signal(signal.SIGINT, interrupt)
+        signal.signal(signal.SIGTERM, interrupt)
     debug = "--debug" in (argv if argv is not None else sys.argv)
     try:
-        code = main(argv)
-        working[0] = False
-        return code
+        try:
+            return main(argv)
+        finally:
+            state["working"] = False
+    except KeyboardInterrupt:
+        return _interrupted()
     except UserError as e:
-        working[0] = False
+        if state["signalled"]:
+            return _interrupted()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        working[0] = False
-        _say_interrupted()
-        return 130
     except MemoryError:
-        working[0] = False
         print("error: out of memory; lower --context, --budget or use --dtype bfloat16", file=sys.stderr)
         return 2
     except Exception as e:  # a bug: one line unless --debug
-        working[0] = False
+        if state["signalled"]:
+            return _interrupted()
         if debug:
             raise
         print(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _interrupted() -> int:
+    _say_interrupted()
+    if _in_process_group():
+        _leave(130)
+    return 130
+
+
+def _in_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def _say_interrupted() -> None:
