@@ -102,3 +102,54 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, H, D); cos, sin: (T, D) or (1, D)."""
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------- scaling for a run's length
+AUTO_MAX_FACTOR = 32  # YaRN beyond 32x the trained positions is untested territory: refuse instead
+
+
+def max_auto_positions(cfg: ModelConfig) -> int:
+    """The longest sequence `--rope-scaling auto` accepts for this checkpoint."""
+    return max(cfg.max_positions, cfg.trained_positions * AUTO_MAX_FACTOR)
+
+
+def scaled_for(cfg: ModelConfig, needed: int, spec: str = "auto", new_tokens: int = 0) -> tuple[ModelConfig, str | None]:
+    """The config with RoPE scaling `spec` applied for a sequence of `needed` tokens, and a one-line
+    note when a scaling was added (None otherwise). The one rule for every front end and the API.
+
+    spec: "auto" keeps the checkpoint's RoPE (its own long-context scaling included, when its config
+    has one) while `needed` fits, else adds YaRN with the smallest sufficient factor in steps of 0.25;
+    "none" refuses to extend; "yarn:F" / "linear:F" force a factor. `new_tokens` (part of `needed`)
+    lets a refusal name the longest prompt (--context) that would work."""
+    if spec == "none":
+        if needed > cfg.max_positions:
+            raise UserError(f"{needed} tokens exceed the model's {cfg.max_positions} positions and "
+                            f"--rope-scaling none refuses to extend; use --rope-scaling auto or a smaller --context")
+        return cfg, None
+    if spec == "auto":
+        if needed <= cfg.max_positions:
+            return cfg, None
+        if needed > max_auto_positions(cfg):
+            raise UserError(f"{needed:,} tokens exceed the {max_auto_positions(cfg):,} positions automatic RoPE "
+                            f"scaling supports for this model ({AUTO_MAX_FACTOR}x its {cfg.trained_positions:,} "
+                            f"trained); use --context {max_auto_positions(cfg) - new_tokens} or less")
+        factor = math.ceil(needed / cfg.trained_positions * 4) / 4
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": cfg.trained_positions}
+        note = (f"{needed:,} tokens exceed the {cfg.trained_positions:,} trained positions: applying YaRN RoPE "
+                f"scaling x{factor:g} (--rope-scaling none refuses instead)")
+        return cfg.with_rope_scaling(scaling), note
+    kind, _, value = spec.partition(":")
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = 0.0
+    if kind not in ("yarn", "linear") or factor < 1:
+        raise UserError(f"--rope-scaling '{spec}' not understood: use auto, none, yarn:F or linear:F with F >= 1")
+    scaling = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = cfg.trained_positions
+    scaled = cfg.with_rope_scaling(scaling)
+    if needed > scaled.max_positions:
+        raise UserError(f"{needed:,} tokens exceed the {scaled.max_positions:,} positions of {spec}; raise the factor "
+                        f"(at least {math.ceil(needed / cfg.trained_positions * 4) / 4:g})")
+    return scaled, None

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -16,12 +17,14 @@ import torch
 from model.config import ModelConfig
 from model.errors import UserError
 from model.loader import load_model, load_tokenizer, same_tokenizer
-from model.rope import Rotary
+from model.rope import Rotary, scaled_for
 
 from .config import GenerationConfig
 from .engine import Generator, Models
+from .retrieval import mode_for_prompt
 from .stats import Stats
 
+log = logging.getLogger("triforce")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
 
 
@@ -42,10 +45,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load(target: str | Path, draft: str | Path | None = "self", dtype: str | torch.dtype = "float32",
          device: str = "cpu", target_config: ModelConfig | None = None, max_len: int | None = None,
-         rank: int = 0, world_size: int = 1, progress: Callable | None = None) -> Loaded:
-    """Load the target (sharded when world_size > 1) and the drafter (replicated; None/'self' = target)."""
+         rank: int = 0, world_size: int = 1, progress: Callable | None = None, rope_scaling: str = "auto") -> Loaded:
+    """Load the target (sharded when world_size > 1) and the drafter (replicated; None/'self' = target).
+
+    Without `target_config`, the target's RoPE is scaled for `max_len` tokens by `rope_scaling`
+    (model.rope.scaled_for: the command line's rule), said in one line when it is."""
     dtype = resolve_dtype(dtype)
-    cfg = target_config or ModelConfig.from_folder(target)
+    cfg = target_config
+    if cfg is None:
+        cfg, note = scaled_for(ModelConfig.from_folder(target), max_len or 0, rope_scaling)
+        if note:
+            log.warning(note)
     model = load_model(target, dtype, device, cfg, max_len, rank, world_size, progress)
     tokenizer = load_tokenizer(target)
     drafter, self_rotary = None, None
@@ -72,12 +82,29 @@ class Result:
 
 def generate(target: str | Path | Loaded, draft: str | Path | None, prompt: str | list[int], mode: str = "triforce",
              config: GenerationConfig | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
-             on_tokens: Callable | None = None) -> Result:
-    """Generate from a prompt (text or token ids); returns the new token ids and statistics."""
+             on_tokens: Callable | None = None, rope_scaling: str = "auto") -> Result:
+    """Generate from a prompt (text or token ids); returns the new token ids and statistics.
+
+    The rules of the command line apply: a prompt plus new tokens longer than the checkpoint's
+    positions gets YaRN RoPE scaling (`rope_scaling`, as --rope-scaling), and a prompt too short to
+    retrieve from runs without the retrieval level; each is said in one line (logging, warning)."""
     config = config or GenerationConfig()
-    loaded = target if isinstance(target, Loaded) else load(target, draft, dtype, device)
-    ids = loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    gen = Generator(loaded.models, config, mode, max_len=len(ids) + config.max_new_tokens)
+    if isinstance(target, Loaded):
+        loaded = target
+        ids = loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        needed = len(ids) + config.max_new_tokens
+        if needed > loaded.target_config.max_positions:
+            raise UserError(f"{needed} tokens exceed the {loaded.target_config.max_positions} positions the model was "
+                            f"loaded for; load(..., max_len={needed}) applies RoPE scaling, or shorten the prompt")
+    else:
+        tokenizer = load_tokenizer(target)
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        needed = len(ids) + config.max_new_tokens
+        loaded = load(target, draft, dtype, device, max_len=needed, rope_scaling=rope_scaling)
+    mode, note = mode_for_prompt(mode, config.budget, config.chunk_size, len(ids))
+    if note:
+        log.warning(note)
+    gen = Generator(loaded.models, config, mode, max_len=needed)
     gen.prefill(ids)
     tokens = gen.generate(on_tokens=on_tokens)
     text = loaded.tokenizer.decode(tokens) if loaded.tokenizer is not None else None

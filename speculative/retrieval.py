@@ -44,6 +44,18 @@ def check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
                         f"retrieval has nothing to choose; lower --budget or give a longer prompt")
 
 
+FALLBACK = {"triforce": "speculative", "retrieval": "autoregressive"}  # the same levels, less the middle one
+
+
+def mode_for_prompt(mode: str, budget: int, chunk_size: int, prompt_len: int) -> tuple[str, str | None]:
+    """`mode`, or the mode without the retrieval level when the prompt is too short to retrieve from
+    (not longer than the budget), with a one-line note saying so."""
+    if mode not in FALLBACK or budget < prompt_len:
+        return mode, None
+    return FALLBACK[mode], (f"the prompt ({prompt_len} tokens) is not longer than the retrieval budget ({budget}): "
+                            f"nothing to retrieve, so {mode} runs as {FALLBACK[mode]}")
+
+
 class RebuildPolicy:
     """When the retrieval cache is rebuilt rather than absorbing the newly committed tokens: when
     no replaceable slot is left for them, or (threshold > 0) when the middle level's acceptance,

@@ -1,0 +1,72 @@
+"""The Python API follows the command line's rules: RoPE scaling for a prompt past the checkpoint's
+positions, a retrieval-free mode for a prompt too short to retrieve from, each said in one line."""
+import logging
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.errors import UserError
+from model.rope import max_auto_positions, scaled_for
+from speculative import GenerationConfig, generate, load
+from speculative.retrieval import mode_for_prompt
+
+from .conftest import save_tiny, save_tokenizer
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """A tiny checkpoint trained on 64 positions only."""
+    folder = tmp_path_factory.mktemp("short-positions")
+    save_tiny(folder, seed=3, vocab=64, max_pos=64)
+    save_tokenizer(folder, vocab=64)
+    return folder
+
+
+def words(n: int) -> list[int]:
+    """A prompt of n token ids (the API takes ids as well as text)."""
+    return [3 + i % 60 for i in range(n)]
+
+
+def test_long_prompt_gets_yarn_and_a_note(short_model, caplog):
+    cfg = GenerationConfig(max_new_tokens=4, budget=32, chunk_size=8)
+    with caplog.at_level(logging.WARNING, logger="triforce"):
+        result = generate(short_model, "self", words(100), mode="autoregressive", config=cfg)
+    assert len(result.tokens) == 4
+    notes = [r.getMessage() for r in caplog.records if "YaRN" in r.getMessage()]
+    assert notes == ["104 tokens exceed the 64 trained positions: applying YaRN RoPE scaling x1.75 "
+                     "(--rope-scaling none refuses instead)"]
+    # the same tokens as a model loaded with that scaling by hand
+    scaled, _ = scaled_for(ModelConfig.from_folder(short_model), 104)
+    by_hand = generate(load(short_model, "self", target_config=scaled), None, words(100), mode="autoregressive",
+                       config=cfg)
+    assert by_hand.tokens == result.tokens
+
+
+def test_rope_none_refuses_and_auto_names_the_largest_context(short_model):
+    with pytest.raises(UserError, match="refuses to extend"):
+        generate(short_model, "self", words(100), mode="autoregressive",
+                 config=GenerationConfig(max_new_tokens=4), rope_scaling="none")
+    cfg = ModelConfig.from_folder(short_model)
+    assert max_auto_positions(cfg) == 64 * 32
+    with pytest.raises(UserError, match=f"use --context {64 * 32 - 10} or less"):
+        scaled_for(cfg, 64 * 32 + 1, new_tokens=10)
+    scaled_for(cfg, 64 * 32)  # the boundary itself is accepted
+
+
+def test_short_prompt_falls_back_without_retrieval(tiny_folder, caplog):
+    cfg = GenerationConfig(max_new_tokens=6, budget=64, chunk_size=8)
+    with caplog.at_level(logging.WARNING, logger="triforce"):
+        fallback = generate(tiny_folder, "self", words(20), mode="triforce", config=cfg)
+    assert any("runs as speculative" in r.getMessage() for r in caplog.records)
+    reference = generate(tiny_folder, "self", words(20), mode="autoregressive", config=cfg)
+    assert fallback.tokens == reference.tokens  # greedy: lossless whatever the levels
+    assert fallback.stats.to_dict()["acceptance"].keys() == {"draft->verify"}
+
+
+@pytest.mark.parametrize("budget,prompt,expected", [(64, 64, "speculative"), (64, 65, "triforce")])
+def test_fallback_boundary(budget, prompt, expected):
+    assert mode_for_prompt("triforce", budget, 8, prompt)[0] == expected
+    assert mode_for_prompt("retrieval", budget, 8, prompt)[0] == ("autoregressive" if expected != "triforce"
+                                                                  else "retrieval")
+    assert mode_for_prompt("speculative", budget, 8, prompt) == ("speculative", None)
