@@ -77,3 +77,16 @@ class FullKV(Cache, Protocol):
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    # persistence: a prefilled prompt saved to disk and restored (speculative/kvfile.py)
+    def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (Hkv, end-start, D) of one layer's tokens, where they live (host or device, no copy)."""
+        ...
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K, V (Hkv, n, D) into one layer's slots [start, start + n), the length unchanged."""
+        ...
+
+    def fill(self, length: int) -> None:
+        """The first `length` slots now hold the sequence (as written)."""
+        ...

@@ -120,6 +120,26 @@ class OffloadedCache:
         if self.streamer:
             self.streamer.truncate(length)
 
+    # ------------------------------------------------------------------ persistence (speculative/kvfile.py)
+    def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (Hkv, end-start, D) of one layer's tokens [start, end), where they live (no copy)."""
+        k, v, _ = self._at_rest(layer)
+        return k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put K, V (Hkv, n, D) into one layer's slots [start, start + n); the length is unchanged."""
+        kb, vb, _ = self._at_rest(layer)
+        if self.streamer:
+            self.streamer.truncate(min(start, self.length))  # staged copies of these slots are stale now
+        kb[start:start + k.shape[1]] = k.transpose(0, 1)
+        vb[start:start + v.shape[1]] = v.transpose(0, 1)
+
+    def fill(self, length: int) -> None:
+        """The first `length` slots now hold the sequence (written with `write`)."""
+        if length > self.max_len:
+            raise ValueError(f"{length} tokens do not fit the cache's {self.max_len}")
+        self.length = length
+
     def timings(self) -> dict:
         """Counter summary, with every outstanding CUDA timing event resolved."""
         if self.streamer:

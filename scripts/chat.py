@@ -245,8 +245,6 @@ def load_or_prefill(args, session, gen, book: Book, console) -> list[torch.Tenso
     path = None
     if args.no_cache:
         pass
-    elif not kvfile.supported(gen):
-        console.print("[yellow]note:[/] the saved-cache file works with the in-memory cache only; prefilling")
     else:
         key = cache_key(args, session, book)
         path = cache_path(args, book, key)

@@ -73,6 +73,22 @@ class FullCache(SlotCache):
     def timings(self) -> None:
         return None  # no transfers to time
 
+    # --- persistence (speculative/kvfile.py) ---
+    def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (Hkv, end-start, D) of one layer's tokens [start, end), where they live (a view)."""
+        return self.k[layer, :, start:end], self.v[layer, :, start:end]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put K, V (Hkv, n, D) into one layer's slots [start, start + n); the length is unchanged."""
+        self.k[layer, :, start:start + k.shape[1]] = k
+        self.v[layer, :, start:start + v.shape[1]] = v
+
+    def fill(self, length: int) -> None:
+        """The first `length` slots now hold the sequence (written with `write`)."""
+        if length > self.capacity:
+            raise ValueError(f"{length} tokens do not fit the cache's {self.capacity}")
+        self.used = self.length = length
+
     # --- what the retrieval cache reads ---
     def chunk_key_means(self, layer: int, chunk: int, n_chunks: int) -> torch.Tensor:
         """(Hkv, n_chunks, D) mean key of each of the first n_chunks complete chunks."""

@@ -1,4 +1,5 @@
-"""A prefilled prompt on disk: save the full KV cache once, restore a Generator from it in seconds.
+"""A prefilled prompt on disk: save the full KV cache once, restore a Generator from it in seconds,
+and checkpoint a long prefill as it goes so an interruption loses at most one checkpoint.
 
 What a Generator needs to stand exactly where prefill(prompt) left it (minus the first sampled
 token, which a chat never uses: the user's turn follows the prompt):
@@ -7,7 +8,7 @@ token, which a chat never uses: the user's turn follows the prompt):
     the last token's query  per layer (rotated): the retrieval cache is scored with it
 `Generator.resume(prompt, queries)` then rebuilds the retrieval cache from the restored full cache
 and the drafter's StreamingLLM state from the prompt's sinks and last window (both cheap next to
-a prefill).
+a prefill). Any full cache works (`model.kv.FullKV`: on the device, or offloaded to host memory).
 
 File format: safetensors (readable by any safetensors tool), written by a small streaming writer
 so saving a long cache never copies it whole. Metadata holds the caller's key (what the cache
@@ -15,18 +16,24 @@ was computed from: model, dtype, prompt, RoPE scaling...) and a sha256 over the 
 tensor byte. A file whose key differs, whose checksum fails or that does not parse is never
 used: `load` raises `CacheInvalid` and the caller prefills again. Writes go to a temporary file
 in the same folder and are renamed into place (os.replace), so a crash leaves no half file.
+
+Checkpoints (`Checkpoints`) are files of the same format in a folder beside the final file, one per
+stretch of prefilled tokens [start, end), each keyed by the caller's key and the prompt up to its
+end. A restart loads the longest valid run of them from token 0, discards the rest, and prefill
+continues after it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import struct
+import time
 from pathlib import Path
 
 import torch
 
-from .caches import FullCache
 from .engine import Generator
 
 FORMAT = "triforce-kv/1"
@@ -39,11 +46,6 @@ class CacheInvalid(Exception):
     """The file cannot be used (corrupt, truncated, or made for something else); says why."""
 
 
-def supported(gen: Generator) -> bool:
-    """Only the in-memory FullCache is restorable for now (the offloaded store has its own layout)."""
-    return type(gen.full.cache) is FullCache
-
-
 def last_queries(gen: Generator) -> list[torch.Tensor]:
     """Per layer (Hq, D): the rotated query of the newest token, right after prefill()."""
     return [q[-1].detach().clone() for q in gen.full.cache.queries]
@@ -52,19 +54,28 @@ def last_queries(gen: Generator) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------- writing
 def save(path: str | Path, gen: Generator, prompt: list[int], queries: list[torch.Tensor], key: dict) -> int:
     """Write the prompt's state atomically; returns the file size in bytes."""
-    path = Path(path)
     n = len(prompt)
-    k, v = gen.full.cache.slice(0, n)  # (layers, kv_heads, n, head_dim) views, no copy
     tensors = [("prompt", lambda: torch.tensor(prompt, dtype=torch.int64), (n,), torch.int64),
                ("queries", lambda: torch.stack(queries), (len(queries), *queries[0].shape), queries[0].dtype)]
-    for layer in range(k.shape[0]):
-        shape = tuple(k.shape[1:])
-        tensors.append((f"k.{layer}", lambda t=k[layer]: t, shape, k.dtype))
-        tensors.append((f"v.{layer}", lambda t=v[layer]: t, shape, v.dtype))
+    return _write_atomic(Path(path), tensors + _kv_tensors(gen.full.cache, 0, n), key_text(key))
+
+
+def _kv_tensors(cache, start: int, end: int) -> list:
+    """(name, make, shape, dtype) of every layer's K and V over tokens [start, end), read lazily."""
+    shape = cache.shape
+    dims = (shape.num_kv_heads, end - start, shape.head_dim)
+    out = []
+    for layer in range(shape.num_layers):
+        out.append((f"k.{layer}", lambda layer=layer: cache.read(layer, start, end)[0], dims, shape.dtype))
+        out.append((f"v.{layer}", lambda layer=layer: cache.read(layer, start, end)[1], dims, shape.dtype))
+    return out
+
+
+def _write_atomic(path: Path, tensors: list, key: str) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        _write_safetensors(tmp, tensors, key_text(key))
+        _write_safetensors(tmp, tensors, key)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -112,30 +123,40 @@ def load(path: str | Path, gen: Generator, key: dict, prompt: list[int]) -> list
     exactly what `key` and `prompt` describe. K/V are copied into the cache's slots while the
     checksum is computed (one pass, one layer in memory at a time); the cache's length becomes the
     prompt's only once every byte is checked."""
+
+    def body(f, digest):
+        if _read(f, "prompt", digest).tolist() != list(prompt):
+            raise CacheInvalid("holds another prompt")
+        queries = _read(f, "queries", digest)
+        _read_kv(f, gen.full.cache, 0, len(prompt), digest)
+        return queries
+
+    queries = _checked(path, key_text(key), body)
+    gen.full.cache.fill(len(prompt))
+    return [q.to(gen.device) for q in queries.unbind(0)]  # safetensors reads to the CPU
+
+
+def _checked(path: str | Path, key: str, body):
+    """body(file, digest) over a file whose format and key are right; CacheInvalid unless the
+    digest of the key and of every byte body read matches the stored one."""
     from safetensors import safe_open
 
-    path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 raise CacheInvalid(f"has format {meta.get('format')!r}, not {FORMAT}")
-            if meta.get("key") != key_text(key):
+            if meta.get("key") != key:
                 raise CacheInvalid("was made for another model, book or setting")
-            digest = hashlib.sha256(meta["key"].encode())
-            stored = _read(f, "prompt", digest)
-            if stored.tolist() != list(prompt):
-                raise CacheInvalid("holds another prompt")
-            queries = _read(f, "queries", digest)
-            _read_kv(f, gen.full.cache, len(prompt), digest)
+            digest = hashlib.sha256(key.encode())
+            result = body(f, digest)
             if digest.hexdigest() != meta.get("sha256"):
                 raise CacheInvalid("is corrupt (checksum mismatch)")
-            gen.full.cache.used = gen.full.cache.length = len(prompt)  # slot i holds token i
+            return result
     except CacheInvalid:
         raise
     except Exception as e:  # safetensors / OS errors on a truncated or mangled file
         raise CacheInvalid(f"cannot be read ({type(e).__name__}: {str(e)[:80]})") from None
-    return [q.to(gen.full.cache.k.device) for q in queries.unbind(0)]  # safetensors reads to the CPU
 
 
 def _read(f, name: str, digest) -> torch.Tensor:
@@ -144,16 +165,17 @@ def _read(f, name: str, digest) -> torch.Tensor:
     return t
 
 
-def _read_kv(f, cache: FullCache, n: int, digest) -> None:
-    layers, heads, _, dim = cache.k.shape
-    if n > cache.capacity:
-        raise CacheInvalid(f"holds {n} tokens, more than the cache's {cache.capacity}")
-    for layer in range(layers):
-        for name, buf in ((f"k.{layer}", cache.k), (f"v.{layer}", cache.v)):
-            t = _read(f, name, digest)
-            if t.shape != (heads, n, dim) or t.dtype != buf.dtype:
-                raise CacheInvalid(f"has {name} of {tuple(t.shape)} {t.dtype}, expected {(heads, n, dim)} {buf.dtype}")
-            buf[layer, :, :n].copy_(t)
+def _read_kv(f, cache, start: int, end: int, digest) -> None:
+    shape = cache.shape
+    if end > cache.capacity:
+        raise CacheInvalid(f"holds {end} tokens, more than the cache's {cache.capacity}")
+    expected = (shape.num_kv_heads, end - start, shape.head_dim)
+    for layer in range(shape.num_layers):
+        k, v = _read(f, f"k.{layer}", digest), _read(f, f"v.{layer}", digest)
+        for name, t in ((f"k.{layer}", k), (f"v.{layer}", v)):
+            if tuple(t.shape) != expected or t.dtype != shape.dtype:
+                raise CacheInvalid(f"has {name} of {tuple(t.shape)} {t.dtype}, expected {expected} {shape.dtype}")
+        cache.write(layer, start, k, v)
 
 
 def file_digest(path: str | Path) -> str:
@@ -163,3 +185,75 @@ def file_digest(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+class Checkpoints:
+    """A prefill of `prompt` into `gen` that survives being interrupted.
+
+        cp = Checkpoints(folder, gen, key, prompt)
+        done = cp.resume()                      # tokens restored from earlier checkpoints (0: none)
+        gen.prefill(prompt, progress=lambda n: cp.after(n))   # continues after them
+        kvfile.save(...); cp.discard()          # the final file replaces the checkpoints
+
+    A checkpoint is written when `every_seconds` have passed since the last one (or, in tests,
+    every `every_tokens` tokens), after a prefill piece completed, so an interruption loses at most
+    that much work. Each checkpoint holds its own tokens only: writing them costs the same bytes as
+    the final file, once."""
+
+    def __init__(self, folder: str | Path, gen: Generator, key: dict, prompt: list[int],
+                 every_seconds: float = 30.0, every_tokens: int | None = None):
+        self.folder, self.gen, self.key, self.prompt = Path(folder), gen, key, list(prompt)
+        self.every_seconds, self.every_tokens = every_seconds, every_tokens
+        self.saved = 0  # prompt tokens held by valid checkpoints
+        self.last_time = time.monotonic()
+
+    def _key(self, start: int, end: int) -> str:
+        prefix = hashlib.sha256(torch.tensor(self.prompt[:end], dtype=torch.int64).numpy().tobytes()).hexdigest()
+        return key_text({**self.key, "checkpoint": [start, end], "prompt_prefix": prefix})
+
+    def _path(self, start: int, end: int) -> Path:
+        return self.folder / f"{start:010d}-{end:010d}.safetensors"
+
+    def resume(self) -> int:
+        """Load the longest valid run of checkpoints from token 0 into the full cache; delete the others.
+        Returns the tokens restored; the generator's full level then holds them (prefill continues)."""
+        cache = self.gen.full.cache
+        files = sorted(self.folder.glob("*.safetensors")) if self.folder.is_dir() else []
+        for path in files:
+            start, end = _range(path)
+            try:
+                if start != self.saved or not start < end <= len(self.prompt):
+                    raise CacheInvalid("does not continue the checkpoints before it")
+                _checked(path, self._key(start, end), lambda f, digest: _read_kv(f, cache, start, end, digest))
+            except CacheInvalid:
+                path.unlink(missing_ok=True)  # recomputed, never used
+                continue
+            self.saved = end
+        if self.saved:
+            cache.fill(self.saved)
+            self.gen.full.tokens = self.prompt[:self.saved]
+        return self.saved
+
+    def after(self, _new_tokens: int = 0) -> None:
+        """A prefill piece completed: write a checkpoint of what is new, if one is due."""
+        done = min(self.gen.full.cache.length, len(self.prompt))
+        due = (done - self.saved >= self.every_tokens if self.every_tokens
+               else time.monotonic() - self.last_time >= self.every_seconds)
+        if done > self.saved and due:
+            self._write(self.saved, done)
+
+    def _write(self, start: int, end: int) -> None:
+        _write_atomic(self._path(start, end), _kv_tensors(self.gen.full.cache, start, end), self._key(start, end))
+        self.saved, self.last_time = end, time.monotonic()
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _range(path: Path) -> tuple[int, int]:
+    try:
+        start, end = path.stem.split("-")
+        return int(start), int(end)
+    except ValueError:
+        return -1, -1
