@@ -1,13 +1,16 @@
-"""CUDA graphs for the fixed-shape levels: the drafter step and the middle-level verification.
+"""CUDA graphs for every level whose cache is resident: the drafter step, the middle-level
+verification, and the full-cache verification when the full cache is on the device.
 
-Their caches (StreamingLLM, retrieval) have a fixed capacity, but the caches' own `attend`
-slices by a Python length, which a graph would freeze at capture time. `StaticView` is the same
-model protocol over the same buffers with shapes that never change: the new tokens' slots and
-positions live in device tensors and attention spans the whole capacity under a mask, so one
-capture per (cache, tokens per call, last_only) replays at any length. Cache bookkeeping
-(begin, which may evict, and end) stays eager around the replay.
+The caches (StreamingLLM, retrieval, full) are preallocated buffers, but their own `attend` slices
+by a Python length, which a graph would freeze at capture time. `StaticView` is the same model
+protocol over the same buffers with shapes that never change: the new tokens' slots and positions
+live in device tensors and attention spans the whole capacity under a mask, so one capture per
+(cache, tokens per call, last_only) replays at any length. Cache bookkeeping (begin, which may
+evict, and end) stays eager around the replay. For a full cache the view also keeps the rotated
+queries in static buffers, which the retrieval level scores chunks with. An offloaded full cache
+streams KV with copies and events per pass and stays eager.
 
-    enable_cuda_graphs(generator)   # after constructing it; the full-cache level stays eager
+    enable_cuda_graphs(generator)   # after constructing it
 
 With `eager_static=True` the same view runs eagerly instead of being captured (any device): that
 is how the CPU tests check that the graph path computes what the caches' own path does.
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .caches import FullCache
+
 MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) run eagerly
 
 
@@ -28,6 +33,9 @@ class StaticView:
     def __init__(self, cache, T: int):
         self.cache, self.T = cache, T
         device = cache.k.device
+        # a full cache hands the retrieval level its last queries: kept here, in buffers a graph can fill
+        self.queries: list[torch.Tensor | None] | None = [None] * cache.shape.num_layers \
+            if isinstance(cache, FullCache) else None
         self.positions = torch.zeros(T, dtype=torch.long, device=device)
         self.slots = torch.zeros(T, dtype=torch.long, device=device)
         self.offsets = torch.arange(T, device=device)
@@ -42,6 +50,10 @@ class StaticView:
         return self.positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.queries is not None:
+            if self.queries[layer] is None:  # allocated by the eager warm-up, before any capture
+                self.queries[layer] = torch.empty_like(q)
+            self.queries[layer].copy_(q)
         keys, values = self.cache.k[layer], self.cache.v[layer]  # (Hkv, capacity, D)
         keys.index_copy_(1, self.slots, k.transpose(0, 1))
         values.index_copy_(1, self.slots, v.transpose(0, 1))
@@ -95,6 +107,8 @@ class GraphedModel:
                 self._capture(c, last_only)
             c.graph.replay()
             logits = c.logits.clone()
+        if c.view.queries is not None:
+            cache.queries = list(c.view.queries)
         cache.end(T)
         self.replays += 1
         return logits
@@ -114,10 +128,14 @@ class GraphedModel:
 
 
 def enable_cuda_graphs(generator, eager_static: bool = False) -> list[GraphedModel]:
-    """Wrap the drafter and middle levels' models; returns the wrappers (their `replays` count)."""
+    """Wrap the models of the levels with a resident cache; returns the wrappers (their `replays` count)."""
     wrapped = []
-    for level in (generator.drafter, generator.middle):
+    full = generator.full if isinstance(generator.full.cache, FullCache) else None
+    for level in (generator.drafter, generator.middle, full):
         if level is not None:
-            level.model = GraphedModel(level.model, eager_static=eager_static)
+            # the full level graphs its verification passes only: a chat turn of a few tokens is
+            # prefill, and one capture per turn length would hold as many copies of the graph
+            limit = generator.gamma + 1 if level is full else MAX_GRAPH_TOKENS
+            level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit)
             wrapped.append(level.model)
     return wrapped

@@ -286,10 +286,20 @@ def test_static_view_computes_what_the_cache_does(pair):
     assert graphed.replays == 5 and isinstance(next(iter(graphed.captured.values())).view, StaticView)
 
 
-def test_graph_path_gives_the_same_tokens(pair):
+@pytest.mark.parametrize("mode", ["autoregressive", "speculative", "retrieval", "triforce"])
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_graph_path_gives_the_same_tokens(pair, mode, offloaded):
+    """Every level with a resident cache runs the static view (the full level too, unless offloaded):
+    the same tokens and acceptance as the caches' own path, and the retrieval level, scored with
+    the queries the static full pass kept, rebuilt alike."""
     target, drafter = pair
+    models = Models(target, drafter if mode in ("speculative", "triforce") else None)
     ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(8)).tolist()
-    ref, ref_gen, _ = run(Models(target, drafter), "triforce", ids, CFG)
-    out, gen, wrapped = run(Models(target, drafter), "triforce", ids, CFG, graphs=True)
+    factory = full_cache_factory("cpu", CFG.prefill_chunk) if offloaded else None
+    ref, ref_gen, _ = run(models, mode, ids, CFG, factory)
+    out, gen, wrapped = run(models, mode, ids, CFG, factory, graphs=True)
     assert out == ref and dict(gen.stats.accepted) == dict(ref_gen.stats.accepted)
-    assert all(w.replays > 0 for w in wrapped)
+    assert gen.stats.rebuilds == ref_gen.stats.rebuilds
+    levels = [lvl for lvl in (gen.drafter, gen.middle, gen.full) if isinstance(lvl.model if lvl else None, GraphedModel)]
+    expected = {"autoregressive": 1, "speculative": 2, "retrieval": 2, "triforce": 3}[mode] - offloaded
+    assert len(wrapped) == len(levels) == expected and all(w.replays > 0 for w in wrapped)
