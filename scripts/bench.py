@@ -41,12 +41,13 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common import (add_engine_args, add_model_args, generation_config, prefill_progress, read_text,  # noqa: E402
-                            resolve_rope, run_cli)
+from scripts.common import (RunConfig, add_engine_args, add_model_args, generation_config,  # noqa: E402
+                            prefill_progress, read_text, resolve_rope, run_cli, run_config)
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, ModelConfig, UserError  # noqa: E402
 from speculative.engine import synchronize  # noqa: E402
@@ -70,7 +71,20 @@ def ties_only(disagreements: dict) -> bool:
     return all(ulps <= TIE_ULPS for _, ulps in disagreements.values())
 
 
-def parse_args(argv):
+@dataclass(frozen=True)
+class BenchPlan:
+    run: RunConfig  # its context is the longest of `contexts`, its max_new_tokens `new_tokens`
+    contexts: tuple[int, ...]  # ascending
+    systems: tuple[str, ...]
+    new_tokens: int
+    repeats: int
+    prompt_file: str | None
+    out: str | None
+    plot: str | None
+    accept_ties: bool
+
+
+def parse_args(argv) -> BenchPlan:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_engine_args(p)
@@ -89,25 +103,33 @@ def parse_args(argv):
                         "still shown as NO in the table")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
-    if args.quick:
-        args.contexts, args.new_tokens, args.repeats = "2048", 32, 1
-    if args.new_tokens < 2:
-        raise UserError(f"--new-tokens must be at least 2 (got {args.new_tokens}): the first comes from prefill")
-    if args.repeats < 1:
-        raise UserError(f"--repeats must be at least 1 (got {args.repeats})")
-    args.max_new_tokens = args.new_tokens
+    contexts, new_tokens, repeats = ("2048", 32, 1) if args.quick else (args.contexts, args.new_tokens, args.repeats)
+    if new_tokens < 2:
+        raise UserError(f"--new-tokens must be at least 2 (got {new_tokens}): the first comes from prefill")
+    if repeats < 1:
+        raise UserError(f"--repeats must be at least 1 (got {repeats})")
+    contexts, systems = _contexts(contexts), _systems(args.systems)
+    run = run_config(args, max_new_tokens=new_tokens, context=max(contexts))
+    return BenchPlan(run, contexts, systems, new_tokens, repeats, args.prompt_file, args.out, args.plot,
+                     args.accept_ties)
+
+
+def _contexts(flag: str) -> tuple[int, ...]:
     try:
-        args.contexts = sorted({int(c) for c in args.contexts.split(",") if c.strip()})
+        contexts = tuple(sorted({int(c) for c in flag.split(",") if c.strip()}))
     except ValueError:
-        raise UserError(f"--contexts '{args.contexts}' must be comma-separated integers, e.g. 4096,16384") from None
-    if not args.contexts or min(args.contexts) <= 0:
+        raise UserError(f"--contexts '{flag}' must be comma-separated integers, e.g. 4096,16384") from None
+    if not contexts or min(contexts) <= 0:
         raise UserError("--contexts needs at least one positive length")
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in OURS + HF]
+    return contexts
+
+
+def _systems(flag: str) -> tuple[str, ...]:
+    systems = tuple(s.strip() for s in flag.split(",") if s.strip())
+    unknown = [s for s in systems if s not in OURS + HF]
     if unknown:
         raise UserError(f"unknown system(s) {', '.join(unknown)}: choose from {', '.join(OURS + HF)}")
-    args.context = max(args.contexts)
-    return args
+    return systems
 
 
 # ------------------------------------------------------------------------------------------ hardware
@@ -170,15 +192,15 @@ class HFSystems:
     `wrap(model) -> model` is applied to the loaded target (compare_deepspeed.py: a ZeRO-3 engine's module);
     `assistant=False` loads no drafter."""
 
-    def __init__(self, session, args, model_cfg: ModelConfig, wrap=None, assistant: bool = True):
+    def __init__(self, session, model_cfg: ModelConfig, wrap=None, assistant: bool = True):
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        self.torch, self.args = torch, args
+        self.torch, self.prefill_chunk = torch, session.run.prefill_chunk
         self.device = torch.device(session.device)
-        self.target = self._load(AutoModelForCausalLM, args.model, model_cfg, session.dtype, wrap is None)
+        self.target = self._load(AutoModelForCausalLM, session.run.model, model_cfg, session.dtype, wrap is None)
         if wrap is not None:
             self.target = wrap(self.target)
         self.assistant = None
@@ -227,7 +249,7 @@ class HFSystems:
 
         torch = self.torch
         cache = DynamicCache(config=model.config)
-        chunk = max(self.args.prefill_chunk, 512)
+        chunk = max(self.prefill_chunk, 512)
         with torch.no_grad():
             for i in range(0, len(prompt), chunk):
                 ids = torch.tensor([prompt[i:i + chunk]], device=self.device)
@@ -316,7 +338,7 @@ def run_system(session, mode, cfg, prefilled, max_len, models=None):
 
 
 def _full_cache_factory(session, cfg):
-    if session.args.offload != "host":
+    if session.run.offload != "host":
         return None
     from offload import full_cache_factory
 
@@ -346,28 +368,28 @@ def first_mismatch(tokens, reference):
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
-def bench_context(session, args, ids, context, hf=None, hf_skip=None):
+def bench_context(session, plan: BenchPlan, ids, context, hf=None, hf_skip=None):
     hf_skip = hf_skip or {}
     prompt = ids[-context:]
-    args.mode = "triforce"  # budgets/gammas resolved for the richest mode, used by all
-    cfg = generation_config(args, len(prompt), session.console)
-    max_len = len(prompt) + args.new_tokens
+    # budgets/gammas resolved for the richest mode, used by all
+    cfg = generation_config(replace(session.run, mode="triforce"), len(prompt), session.console)
+    max_len = len(prompt) + plan.new_tokens
     seed_gen = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len,
                          full_cache_factory=_full_cache_factory(session, cfg))
     progress, advance = prefill_progress(session.console, len(prompt), f"prefill {context}")
     with progress:
         seed_gen.prefill(prompt, progress=advance)
     prefilled = seed_gen.snapshot()
-    systems = [s for s in args.systems if s in OURS or (hf is not None and s in HF and s not in hf_skip)]
+    systems = [s for s in plan.systems if s in OURS or (hf is not None and s in HF and s not in hf_skip)]
     hf_prefill = None
     if hf is not None and any(s in HF for s in systems):
         with session.console.status(f"transformers prefill {context}"):
             hf_prefill, _ = hf.prefill(prompt)
     results = {s: {"times": [], "stats": None, "tokens": None, "margins": None} for s in systems}
-    for rep in range(args.repeats + 1):  # repetition 0 is the warm-up
+    for rep in range(plan.repeats + 1):  # repetition 0 is the warm-up
         for mode in systems:
             if mode in HF:
-                tokens, seconds, stats, margins = hf.run(mode, args.new_tokens, cfg, scores=rep == 0)
+                tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, cfg, scores=rep == 0)
             else:
                 tokens, seconds, stats = run_system(session, mode, cfg, prefilled, max_len)
                 stats, margins = stats.to_dict(), None
@@ -381,8 +403,8 @@ def bench_context(session, args, ids, context, hf=None, hf_skip=None):
     reference = results.get("autoregressive", {}).get("tokens")
     drafter_cfg = session.loaded.models.drafter.cfg if session.loaded.models.drafter is not None else session.config
     elem = 2 if str(session.dtype).endswith(("bfloat16", "float16")) else 4
-    traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), args.new_tokens, cfg,
-                      lower_elem=1 if args.lower_weights == "int8" else elem)
+    traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), plan.new_tokens, cfg,
+                      lower_elem=1 if session.run.lower_weights == "int8" else elem)
     rows = []
     for mode in systems:
         r = results[mode]
@@ -423,7 +445,7 @@ def bench_context(session, args, ids, context, hf=None, hf_skip=None):
                 row["logit_gap_ulps_at_mismatch"] = gap = logit_gap_ulps(session, prefilled, reference, r["tokens"], at)
                 row["tie_only"] = gap <= TIE_ULPS
         rows.append(row)
-    for mode in args.systems:
+    for mode in plan.systems:
         if mode in HF and (hf is None or mode in hf_skip):
             rows.append({"context": context, "system": mode, "tokens_per_second": None, "same_tokens": None,
                          "skipped": hf_skip.get(mode, "transformers systems not run")})
@@ -508,12 +530,12 @@ def plot(rows, path: Path, title: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- main
-def rope_groups(args) -> list[tuple[dict | None, list[int]]]:
+def rope_groups(plan: BenchPlan) -> list[tuple[dict | None, list[int]]]:
     """Contexts grouped by the RoPE scaling each needs (context + new tokens), in order."""
-    base = ModelConfig.from_folder(args.model)
+    base = ModelConfig.from_folder(plan.run.model)
     groups: dict = {}
-    for c in args.contexts:
-        scaling = resolve_rope(base, c + args.new_tokens, args.rope_scaling).rope_scaling
+    for c in plan.contexts:
+        scaling = resolve_rope(base, c + plan.new_tokens, plan.run.rope_scaling).rope_scaling
         groups.setdefault(json.dumps(scaling, sort_keys=True), []).append(c)
     return [(json.loads(k), v) for k, v in groups.items()]
 
@@ -521,78 +543,103 @@ def rope_groups(args) -> list[tuple[dict | None, list[int]]]:
 def main(argv=None) -> int:
     from rich.console import Console
 
-    args = parse_args(argv)
-    text = read_text(args.prompt_file or BOOK)
-    groups = rope_groups(args)
-    rows, session, meta = [], None, {}
+    plan = parse_args(argv)
+    rows, session = [], None
+    for session, new_rows in bench_groups(plan, read_text(plan.prompt_file or BOOK)):
+        rows += new_rows
+    run = session.run  # as the last session resolved it (device, lower weights)
+    hw = hardware()
+    line = hardware_line(hw, run.device)
+    out_console = wide(Console())
+    print_table(out_console, rows, title=f"decode throughput, side by side — {Path(run.model).name}, {run.dtype}; {line}")
+    for message in write_results(plan, run, session.draft, rows, hw, line):
+        print(message)
+    session.close()
+    return verdict(plan, rows)
+
+
+def bench_groups(plan: BenchPlan, text: str):
+    """(session, rows) for each group of contexts sharing a RoPE scaling, the models loaded per group."""
+    groups = rope_groups(plan)
+    session = None
     for scaling, contexts in groups:
         if session is not None:  # a different RoPE scaling: free the previous models before loading
             session.close()
             session = None
             gc.collect()
-        args.context = max(contexts)
-        session = open_session(args, text)
+        session = open_session(replace(plan.run, context=max(contexts)), text)
         if len(groups) > 1:
             session.console.print(f"[bold]contexts {', '.join(map(str, contexts))}[/]: RoPE scaling "
                                   f"{scaling or 'none'} (models loaded for these contexts)")
-        hf, hf_skip = None, {}
-        if any(s in HF for s in args.systems):
-            if session.dist is not None:
-                hf_skip = {s: "not run under tensor parallelism" for s in HF}
-            else:
-                if session.draft == "self":
-                    hf_skip["hf-assisted"] = "n/a: --draft self, no drafter model to pass as assistant_model"
-                with session.console.status("loading the model(s) into transformers"):
-                    hf = HFSystems(session, args, session.config)
-        ids = session.prompt_ids
+        hf, hf_skip = transformers_peers(session, plan)
+        ids, rows = session.prompt_ids, []
         for context in contexts:
             if context > len(ids):
                 session.console.print(f"[yellow]skip:[/] the book has only {len(ids)} tokens (< {context})")
                 continue
-            new_rows, cfg = bench_context(session, args, ids, context, hf, hf_skip)
+            new_rows, _ = bench_context(session, plan, ids, context, hf, hf_skip)
             rows += new_rows
             print_table(wide(session.console), new_rows)
-        meta = {"model": args.model, "draft": session.draft, "dtype": args.dtype, "device": str(session.device)}
         hf = None
-    hw = hardware()
-    line = hardware_line(hw, meta.get("device", "cpu"))
-    out_console = wide(Console())
-    print_table(out_console, rows, title=f"decode throughput, side by side — {Path(args.model).name}, {args.dtype}; {line}")
-    messages = []
-    if args.out or len({r["context"] for r in rows}) > 1:
-        import transformers
+        yield session, rows
 
-        report = {"rows": rows, **meta, "threads": hw["torch_threads"], "hardware": hw,
-                  "hardware_line": line, "transformers": transformers.__version__,
-                  "settings": {"new_tokens": args.new_tokens, "repeats": args.repeats, "contexts": args.contexts,
-                               "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-                               "prompt_file": str(args.prompt_file or BOOK), "offload": args.offload,
-                               "lower_weights": args.lower_weights,
-                               "hf_assisted_defaults": {"num_assistant_tokens": 20, "schedule": "constant",
-                                                        "assistant_confidence_threshold": 0.4}},
-                  "notes": {"bytes_read_per_token": "modelled: weights (int8 proposers: 1 byte each) + KV each pass reads, "
-                                                        "from counted passes",
-                            "bytes_moved_per_token": "measured host->device copies (--offload host only)",
-                            "timing": "decode only (first token from prefill), median over repetitions after a warm-up"}}
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=2))
-            messages.append(f"results: {args.out}")
-    if len({r["context"] for r in rows}) > 1:
-        path = Path(args.plot) if args.plot else (Path(args.out).with_suffix(".png") if args.out else Path("bench.png"))
-        messages.append(plot(rows, path, f"{Path(args.model).name} ({args.dtype}, greedy={args.temperature == 0}): "
+
+def transformers_peers(session, plan: BenchPlan):
+    """(HFSystems or None, {system: why it is skipped}) for the transformers systems asked for."""
+    hf, hf_skip = None, {}
+    if not any(s in HF for s in plan.systems):
+        return hf, hf_skip
+    if session.dist is not None:
+        return hf, {s: "not run under tensor parallelism" for s in HF}
+    if session.draft == "self":
+        hf_skip["hf-assisted"] = "n/a: --draft self, no drafter model to pass as assistant_model"
+    with session.console.status("loading the model(s) into transformers"):
+        hf = HFSystems(session, session.config)
+    return hf, hf_skip
+
+
+def write_results(plan: BenchPlan, run: RunConfig, draft: str, rows, hw: dict, line: str) -> list[str]:
+    """Write the JSON (--out) and the plot (several contexts); the lines saying where they are."""
+    messages = []
+    several = len({r["context"] for r in rows}) > 1
+    if plan.out:
+        Path(plan.out).write_text(json.dumps(report(plan, run, draft, rows, hw, line), indent=2))
+        messages.append(f"results: {plan.out}")
+    if several:
+        path = Path(plan.plot) if plan.plot else (Path(plan.out).with_suffix(".png") if plan.out else Path("bench.png"))
+        messages.append(plot(rows, path, f"{Path(run.model).name} ({run.dtype}, greedy={run.temperature == 0}): "
                                          f"{line}"))
-    for m in messages:
-        print(m)
-    if session is not None:
-        session.close()
+    return messages
+
+
+def report(plan: BenchPlan, run: RunConfig, draft: str, rows, hw: dict, line: str) -> dict:
+    import transformers
+
+    return {"rows": rows, "model": run.model, "draft": draft, "dtype": run.dtype, "device": str(run.device),
+            "threads": hw["torch_threads"], "hardware": hw,
+            "hardware_line": line, "transformers": transformers.__version__,
+            "settings": {"new_tokens": plan.new_tokens, "repeats": plan.repeats, "contexts": list(plan.contexts),
+                         "temperature": run.temperature, "top_p": run.top_p, "seed": run.seed,
+                         "prompt_file": str(plan.prompt_file or BOOK), "offload": run.offload,
+                         "lower_weights": run.lower_weights,
+                         "hf_assisted_defaults": {"num_assistant_tokens": 20, "schedule": "constant",
+                                                  "assistant_confidence_threshold": 0.4}},
+            "notes": {"bytes_read_per_token": "modelled: weights (int8 proposers: 1 byte each) + KV each pass reads, "
+                                              "from counted passes",
+                      "bytes_moved_per_token": "measured host->device copies (--offload host only)",
+                      "timing": "decode only (first token from prefill), median over repetitions after a warm-up"}}
+
+
+def verdict(plan: BenchPlan, rows) -> int:
+    """1 when a greedy run's tokens differ from autoregressive decoding (ties aside with --accept-ties)."""
     mismatches = [r for r in rows if r["same_tokens"] is False]
     ties = [r for r in mismatches if r.get("tie_only")]
     if ties:
         print(f"note: {', '.join(r['system'] + '@' + str(r['context']) for r in ties)} diverged only at logit ties: fed our "
               f"autoregressive tokens, the target ranks each first or within {TIE_ULPS} units in the last place of "
-              f"{args.dtype} of its top logit (rounding, not logic); use --dtype float32 for an exact-token comparison" +
-              (" (--accept-ties: not counted as failures)" if args.accept_ties else ""), file=sys.stderr)
-        if args.accept_ties:
+              f"{plan.run.dtype} of its top logit (rounding, not logic); use --dtype float32 for an exact-token comparison" +
+              (" (--accept-ties: not counted as failures)" if plan.accept_ties else ""), file=sys.stderr)
+        if plan.accept_ties:
             mismatches = [r for r in mismatches if not r.get("tie_only")]
     if mismatches:
         names = ", ".join(f"{r['system']}@{r['context']}" for r in mismatches)

@@ -35,8 +35,8 @@ try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, n
     from rich.console import Console  # noqa: E402
     from rich.markup import escape  # noqa: E402
 
-    from scripts.common import (add_engine_args, add_model_args, checked_generation_config,  # noqa: E402
-                                prefill_progress, read_text, resolve_rope, run_cli)
+    from scripts.common import (RunConfig, add_engine_args, add_model_args, checked_generation_config,  # noqa: E402
+                                prefill_progress, read_text, replace, resolve_rope, run_cli, run_config)
     from scripts.session import open_session, print_stats_table  # noqa: E402
     from speculative import ModelConfig, UserError, kvfile  # noqa: E402
 except KeyboardInterrupt:
@@ -61,7 +61,17 @@ COLOURS = {"draft": "\x1b[36m", "middle": "\x1b[32m"}  # the verifier's own toke
 LEGEND = "colours: [cyan]drafter[/], [green]retrieval level[/], plain = full-cache verifier"
 
 
-def parse_args(argv):
+@dataclass(frozen=True)
+class ChatOptions:
+    run: RunConfig
+    book: str  # the book's file
+    room: int  # tokens kept for the conversation after the book
+    cache_dir: str | None
+    no_cache: bool
+    show_levels: bool
+
+
+def parse_args(argv) -> ChatOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--book", required=True, help="a UTF-8 text file")
     add_model_args(p)
@@ -79,7 +89,7 @@ def parse_args(argv):
         raise UserError(f"--room must be a positive number of tokens (got {args.room})")
     if args.context is not None and args.context < 1:
         raise UserError(f"--context must be positive (got {args.context})")
-    return args
+    return ChatOptions(run_config(args), args.book, args.room, args.cache_dir, args.no_cache, args.show_levels)
 
 
 # ------------------------------------------------------------------------------------ the prompt
@@ -167,35 +177,35 @@ def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None) -> 
     return Book(name, digest, len(ids), kept, fmt.book(ids[len(ids) - kept:]), fmt)
 
 
-def context_limit(args) -> int:
+def context_limit(run: RunConfig) -> int:
     """Positions the model takes: its own (with its config's scaling), or those of an explicit
     --rope-scaling yarn:F / linear:F. 'auto' does not stretch a chat: the user decides."""
-    cfg = ModelConfig.from_folder(args.model)
-    if args.rope_scaling in ("auto", "none"):
+    cfg = ModelConfig.from_folder(run.model)
+    if run.rope_scaling in ("auto", "none"):
         return cfg.max_positions
-    return resolve_rope(cfg, 0, args.rope_scaling).max_positions
+    return resolve_rope(cfg, 0, run.rope_scaling).max_positions
 
 
-def prepare_book(args, tok, console, interactive: bool, text: str | None = None) -> Book:
+def prepare_book(opts: ChatOptions, tok, console, interactive: bool, text: str | None = None) -> Book:
     """Read (unless `text` is the book, already read), tokenize and wrap the book; tell the user its
     size and whether it fits. It is never cut silently: a book too long is an error naming
     --context, or, at a terminal, a question."""
-    path = Path(args.book)
+    path, room = Path(opts.book), opts.room
     text = read_text(path, "book") if text is None else text
     ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    book = wrap_book(tok, path.name, digest, ids, args.context)
-    limit = context_limit(args)
+    book = wrap_book(tok, path.name, digest, ids, opts.run.context)
+    limit = context_limit(opts.run)
     cut = f", keeping the last {book.kept:,} (--context)" if book.kept < book.tokens else ""
     console.print(f"[bold]{escape(path.name)}[/]: {book.tokens:,} tokens{cut}; {len(book.prompt):,} with the system "
                   f"prompt and chat template{'' if book.fmt.templated else ' (plain: the tokenizer has none)'}")
-    if len(book.prompt) + args.room <= limit:
-        console.print(f"fits the model's {limit:,}-token context, with {args.room:,} tokens for the conversation")
+    if len(book.prompt) + room <= limit:
+        console.print(f"fits the model's {limit:,}-token context, with {room:,} tokens for the conversation")
         return book
     # the system prompt's size once the book is cut (the cut adds a note saying so)
     overhead = len(wrap_book(tok, path.name, digest, ids + [0], len(ids)).prompt) - len(ids)
-    fit = (limit - args.room - overhead) // 100 * 100
-    problem = (f"{path.name} does not fit: {len(book.prompt):,} tokens plus {args.room:,} for the conversation "
+    fit = (limit - room - overhead) // 100 * 100
+    problem = (f"{path.name} does not fit: {len(book.prompt):,} tokens plus {room:,} for the conversation "
                f"exceed the model's {limit:,}-token context")
     if fit < 1:
         raise UserError(f"{problem}; lower --room")
@@ -217,39 +227,40 @@ def _confirm(question: str) -> bool:
 
 
 # ------------------------------------------------------------------------------ prefill or load
-def cache_key(args, session, book: Book) -> dict:
+def cache_key(session, book: Book) -> dict:
     """Everything the saved K/V depends on. The prompt ids cover book, --context, template and
     tokenizer; the weights are identified by size and mtime (hashing gigabytes would cost more
     than the prefill saves)."""
-    model = Path(args.model).resolve()
+    run = session.run
+    model = Path(run.model).resolve()
     weights = sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model.glob("*.safetensors"))
     dist = session.dist
     return {"model": str(model), "config": kvfile.file_digest(model / "config.json"), "weights": weights,
-            "dtype": args.dtype, "device": torch.device(session.device).type, "torch": torch.__version__,
-            "rope_scaling": session.config.rope_scaling, "prefill_chunk": args.prefill_chunk,
+            "dtype": run.dtype, "device": torch.device(session.device).type, "torch": torch.__version__,
+            "rope_scaling": session.config.rope_scaling, "prefill_chunk": run.prefill_chunk,
             "tp": [dist.rank, dist.world_size] if dist else [0, 1], "book": book.digest, "context": book.kept,
             "prompt": hashlib.sha256(torch.tensor(book.prompt).numpy().tobytes()).hexdigest()}
 
 
-def cache_path(args, book: Book, key: dict) -> Path:
-    root = args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce-chat"
+def cache_path(cache_dir: str | None, book: Book, key: dict) -> Path:
+    root = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce-chat"
     digest = hashlib.sha256(kvfile.key_text(key).encode()).hexdigest()[:16]
     stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(book.name).stem)[:40]
     rank = f"-rank{key['tp'][0]}" if key["tp"][1] > 1 else ""
     return Path(root).expanduser() / f"{stem}-{digest}{rank}.safetensors"
 
 
-def load_or_prefill(args, session, gen, book: Book, console) -> list[torch.Tensor]:
+def load_or_prefill(opts: ChatOptions, session, gen, book: Book, console) -> list[torch.Tensor]:
     """The book's last-token queries, with its K/V in gen's full cache: from disk when a valid
     saved cache exists (on every rank), else by prefilling (and saving for next time)."""
     path = None
-    if args.no_cache:
+    if opts.no_cache:
         pass
     elif not kvfile.supported(gen):
         console.print("[yellow]note:[/] the saved-cache file works with the in-memory cache only; prefilling")
     else:
-        key = cache_key(args, session, book)
-        path = cache_path(args, book, key)
+        key = cache_key(session, book)
+        path = cache_path(opts.cache_dir, book, key)
     queries = None
     if path is not None and path.exists():
         start = time.perf_counter()
@@ -501,7 +512,7 @@ def _command(chat: Chat, line: str, console) -> bool:
         if chat.last is None:
             console.print("no answer yet: ask a question first")
         else:
-            lower = chat.session.args.lower_weights if chat.session is not None else "same"
+            lower = chat.session.run.lower_weights if chat.session is not None else "same"
             print_stats_table(console, chat.gen.mode, chat.last.stats, lower)
     elif name == "/reset":
         chat.reset()
@@ -528,37 +539,38 @@ def _save_transcript(chat: Chat, target: str, console) -> None:
 
 
 # ------------------------------------------------------------------------------------- start-up
-def start(args, interactive: bool | None = None) -> Chat:
+def start(opts: ChatOptions, interactive: bool | None = None) -> Chat:
     """Everything before the first question: book, model, and the book's KV cache."""
     console = Console(stderr=True, quiet=int(os.environ.get("RANK", "0")) != 0)
-    ModelConfig.from_folder(args.model)  # a missing or broken model folder: one clear line, before any work
-    text = read_text(args.book, "book")  # so is a bad book file: before the tokenizer's slow import
-    tok = load_tokenizer(args.model)
+    run = opts.run
+    ModelConfig.from_folder(run.model)  # a missing or broken model folder: one clear line, before any work
+    text = read_text(opts.book, "book")  # so is a bad book file: before the tokenizer's slow import
+    tok = load_tokenizer(run.model)
     if interactive is None:
         interactive = sys.stdin.isatty() and int(os.environ.get("WORLD_SIZE", "1")) == 1
-    book = prepare_book(args, tok, console, interactive, text)
-    total = len(book.prompt) + args.room
+    book = prepare_book(opts, tok, console, interactive, text)
+    total = len(book.prompt) + opts.room
     # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
     # that is the book plus the conversation's room, and the book is already cut to --context
-    cfg = checked_generation_config(args, len(book.prompt), console)  # bad settings are refused before the weights load
-    session = open_session(argparse.Namespace(**{**vars(args), "max_new_tokens": total, "context": None}), None)
+    cfg = checked_generation_config(run, len(book.prompt), console)  # bad settings are refused before the weights load
+    session = open_session(replace(run, max_new_tokens=total, context=None), None)
     gen = session.generator(cfg, max_len=total)
-    queries = load_or_prefill(args, session, gen, book, console)
-    chat = Chat(gen, session.tokenizer, book, queries, stop_ids(tok, book.fmt, args.model), session)
+    queries = load_or_prefill(opts, session, gen, book, console)
+    chat = Chat(gen, session.tokenizer, book, queries, stop_ids(tok, book.fmt, run.model), session)
     console.print(f"ready in {time.perf_counter() - _T0:.1f} s")
     return chat
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    opts = parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         # run_cli turns SIGTERM into a Ctrl-C, which here would only stop an answer: quit instead
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    chat = start(args)
+    chat = start(opts)
     if not chat.is_main and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # other ranks follow rank 0's input, not the keyboard
     try:
-        return repl(chat, sys.stdin, chat.out, args.show_levels)
+        return repl(chat, sys.stdin, chat.out, opts.show_levels)
     finally:
         chat.close()
 

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -60,6 +60,51 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, default=512)
 
 
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's settings, read once from the flags of add_model_args and add_engine_args. Nothing
+    writes to it: a front end that needs a variant (another mode, context or number of new tokens)
+    makes one with dataclasses.replace, and what is resolved later ('auto' device and lower weights)
+    lives in the Session's copy."""
+    # model
+    model: str
+    draft: str | None
+    dtype: str
+    device: str
+    threads: int | None
+    rope_scaling: str
+    context: int | None
+    offload: str
+    onchip_layers: str
+    offload_chunk: int
+    cuda_graphs: bool
+    tp: int
+    lower_weights: str
+    # generation
+    mode: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    budget: int | None
+    chunk_size: int
+    gamma1: int | None
+    gamma2: int | None
+    draft_window: int
+    sinks: int
+    rebuild_threshold: float
+    prefill_chunk: int
+
+
+def run_config(args: argparse.Namespace, **derived) -> RunConfig:
+    """The run configuration of parsed flags; `derived` holds the values a front end computes
+    instead of taking them as given (bench.py's --new-tokens is the number of new tokens)."""
+    given = {f.name: getattr(args, f.name) for f in fields(RunConfig)}
+    return RunConfig(**{**given, **derived})
+
+
 # Defaults from the sweeps in README ("Choosing the defaults"). On CPU every level reads the same
 # weights, so a middle pass costs the weights plus its budget of KV and the full pass the weights plus
 # the whole context: a bigger budget buys acceptance cheaply at long context (32K: 0.79 at 8,192 vs
@@ -72,13 +117,6 @@ DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce"
                   "cuda": {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}}
 
 
-def on_gpu(args) -> bool:
-    import torch
-
-    device = getattr(args, "device", "auto") or "auto"
-    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-
-
 def default_budget(prompt_len: int, chunk: int, gpu: bool) -> int:
     if gpu:
         return GPU_BUDGET
@@ -86,37 +124,38 @@ def default_budget(prompt_len: int, chunk: int, gpu: bool) -> int:
     return min(max(prompt_len // CPU_BUDGET_FRACTION // chunk * chunk, low), high)
 
 
-def generation_config(args, prompt_len: int, console=None):
-    """GenerationConfig from flags. A default budget shrinks to fit a short prompt (said on stderr);
+def generation_config(run: RunConfig, prompt_len: int, console=None):
+    """GenerationConfig of a run. A default budget shrinks to fit a short prompt (said on stderr);
     a budget the user chose is checked as given."""
+    from parallel import resolve_device
     from speculative import GenerationConfig
 
-    gpu = on_gpu(args)
-    g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][args.mode]
-    budget = args.budget
+    gpu = resolve_device(run.device).startswith("cuda")
+    g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][run.mode]
+    budget = run.budget
     if budget is None:  # a chunk size <= 0 is refused by GenerationConfig, naming it
-        chunk = max(args.chunk_size, 1)
+        chunk = max(run.chunk_size, 1)
         budget = default_budget(prompt_len, chunk, gpu)
-        if retrieves(args.mode) and budget >= prompt_len:
+        if retrieves(run.mode) and budget >= prompt_len:
             budget = max(3 * chunk, (prompt_len // 2) // chunk * chunk)
             if console:
                 console.print(f"[yellow]note:[/] prompt has {prompt_len} tokens; retrieval budget set to {budget}")
     return GenerationConfig(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, budget=budget, chunk_size=args.chunk_size,
-        gamma1=args.gamma1 if args.gamma1 is not None else max(g1, 1),
-        gamma2=args.gamma2 if args.gamma2 is not None else max(g2, 1),
-        draft_window=args.draft_window, sink_tokens=args.sinks, rebuild_threshold=args.rebuild_threshold,
-        prefill_chunk=args.prefill_chunk)
+        max_new_tokens=run.max_new_tokens, temperature=run.temperature, top_p=run.top_p, top_k=run.top_k,
+        seed=run.seed, budget=budget, chunk_size=run.chunk_size,
+        gamma1=run.gamma1 if run.gamma1 is not None else max(g1, 1),
+        gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
+        draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
+        prefill_chunk=run.prefill_chunk)
 
 
-def checked_generation_config(args, prompt_len: int, console=None):
+def checked_generation_config(run: RunConfig, prompt_len: int, console=None):
     """generation_config, with the retrieval budget also checked against the prompt. The front ends
     call it before the weights load: a budget that cannot work is refused at once, not at prefill."""
     from speculative.retrieval import check_budget
 
-    cfg = generation_config(args, prompt_len, console)
-    if retrieves(args.mode):
+    cfg = generation_config(run, prompt_len, console)
+    if retrieves(run.mode):
         check_budget(cfg.budget, cfg.chunk_size, prompt_len)
     return cfg
 
@@ -186,24 +225,6 @@ def read_text(path: str | Path, what: str = "prompt file") -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
-
-
-def pick_device(spec: str):
-    import torch
-
-    from speculative import UserError
-
-    if spec == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(spec).type
-    except RuntimeError:  # torch lists every backend it knows; only two are served here
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise UserError(f"--device {spec} not understood: use cpu, cuda, cuda:N or auto")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
-    return spec
 
 
 def prefill_progress(console, total: int, label: str = "prefill"):
@@ -324,5 +345,6 @@ class Timer:
         return time.perf_counter() - self.start
 
 
-__all__ = ["add_model_args", "add_engine_args", "generation_config", "checked_generation_config", "resolve_draft",
-           "resolve_rope", "read_text", "pick_device", "prefill_progress", "run_cli", "replace"]
+__all__ = ["add_model_args", "add_engine_args", "RunConfig", "run_config", "generation_config",
+           "checked_generation_config", "resolve_draft", "resolve_rope", "read_text", "prefill_progress", "run_cli",
+           "replace"]

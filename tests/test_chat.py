@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from parallel import TensorParallel
 from scripts import chat
 from scripts.common import run_cli
 from speculative import Generator, kvfile
@@ -24,11 +25,10 @@ def book(tmp_path_factory):
 
 
 def make_args(folder, book, cache, *extra):
-    args = chat.parse_args(["--book", str(book), "--model", str(folder), "--draft", "self", "--max-new-tokens", "14",
+    opts = chat.parse_args(["--book", str(book), "--model", str(folder), "--draft", "self", "--max-new-tokens", "14",
                             "--room", "160", "--gamma1", "2", "--gamma2", "3", "--draft-window", "32",
                             "--cache-dir", str(cache), *extra])
-    args.dtype = "float64"  # not a command-line choice; exact comparisons need it
-    return args
+    return replace(opts, run=replace(opts.run, dtype="float64"))  # not a command-line choice; exact comparisons need it
 
 
 @pytest.fixture
@@ -224,7 +224,7 @@ def test_damaged_cache_is_rebuilt(start, tmp_path, capsys, where):
 def test_mismatched_cache_is_refused(start, tmp_path):
     c = start()
     [path] = (tmp_path / "cache").glob("*.safetensors")
-    key = chat.cache_key(c.session.args, c.session, c.book)
+    key = chat.cache_key(c.session, c.book)
     kvfile.load(path, c.gen, key, c.book.prompt)  # the right key loads
     with pytest.raises(kvfile.CacheInvalid, match="another model, book or setting"):
         kvfile.load(path, c.gen, {**key, "dtype": "bfloat16"}, c.book.prompt)
@@ -287,9 +287,10 @@ def _share_worker(rank, port, out_dir):
         assert rank == 0, "only rank 0 reads the terminal"
         return next(lines)
 
-    got = [chat.share(read), chat.share(read), chat._all_ranks(rank == 0), chat._all_ranks(True)]
+    group = TensorParallel(rank, 2, rank, "cpu", timeout=60.0, group=dist.group.WORLD)
+    got = [group.share(read), group.share(read), group.all_agree(rank == 0), group.all_agree(True)]
     (out_dir / f"rank{rank}").write_text(repr(got))
-    dist.destroy_process_group()
+    group.close()
 
 
 def test_rank0_input_is_broadcast(tmp_path):
@@ -314,10 +315,10 @@ SMOLLM = chat.Path(__file__).resolve().parents[1] / "models" / "smollm2-135m"
 def test_smollm2_chat_template_cache_and_lossless_turns(tmp_path, capsys):
     """SmolLM2's ChatML template, the answer ending at <|im_end|>, the saved cache, lossless turns."""
     book = chat.Path(__file__).resolve().parents[1] / "speculative" / "data" / "pride_and_prejudice_ch1-9.txt"
-    args = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
+    opts = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
                             "--max-new-tokens", "24", "--room", "200", "--budget", "256",
                             "--cache-dir", str(tmp_path)])
-    args.dtype = "float64"
+    args = replace(opts, run=replace(opts.run, dtype="float64"))
     first = chat.start(args, interactive=False)
     assert first.book.fmt.templated and first.book.fmt.answer_end == "<|im_end|>\n"
     im_end = first.tok.convert_tokens_to_ids("<|im_end|>")
