@@ -141,7 +141,7 @@ def deepspeed_wrap(dtype, hidden: int, pin_memory: bool, device: str):
 
 
 def hardware_summary(device: str) -> tuple[str, dict]:
-    from scripts.bench import hardware, hardware_line
+    from scripts.bench_report import hardware, hardware_line
 
     hw = hardware()
     accel = None
@@ -159,7 +159,9 @@ def hardware_summary(device: str) -> tuple[str, dict]:
 def compare(plan: ComparePlan) -> dict:
     import torch
 
-    from scripts.bench import HFSystems, ties_only, wide, _full_cache_factory, first_mismatch, run_system
+    from scripts.bench_report import wide
+    from scripts.hf_peers import HFSystems
+    from scripts.measure import first_mismatch, prefill_cache_factory, run_system, ties_only
     from parallel import resolve_device
     from scripts.session import open_session
     from speculative import Generator, UserError
@@ -197,7 +199,7 @@ def compare(plan: ComparePlan) -> dict:
     cfg = generation_config(replace(session.run, mode="triforce"), len(prompt), console)
     max_len = len(prompt) + plan.new_tokens
     seed = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len,
-                     full_cache_factory=_full_cache_factory(session, cfg))
+                     full_cache_factory=prefill_cache_factory(session, cfg))
     progress, advance = prefill_progress(console, len(prompt), "prefill (ours)")
     with progress:
         seed.prefill(prompt, progress=advance)

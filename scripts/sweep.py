@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench import BOOK, TIE_ULPS, first_mismatch, logit_gap_ulps, run_system, wide  # noqa: E402
-from scripts.common import (RunConfig, add_engine_args, add_model_args, generation_config, prefill_progress,  # noqa: E402
-                            read_text, run_cli, run_config)
+from scripts.bench_report import wide  # noqa: E402
+from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,  # noqa: E402
+                            generation_config, prefill_progress, read_text, run_cli, run_config)
+from scripts.measure import TIE_ULPS, first_mismatch, logit_gap_ulps, run_system  # noqa: E402
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, UserError  # noqa: E402
 from model.quant import resolve_lower_weights, with_lower_weights  # noqa: E402
@@ -115,7 +116,7 @@ def timed(session, mode, cfg, prefilled, max_len, repeats, models=None):
 
 def main(argv=None) -> int:
     plan = parse_args(argv)
-    session = open_session(plan.run, read_text(plan.prompt_file or BOOK))
+    session = open_session(plan.run, read_text(plan.prompt_file or DEFAULT_PROMPT_FILE))
     prompt = session.prompt_ids
     base = generation_config(replace(session.run, mode="triforce"), len(prompt), session.console)
     max_len = len(prompt) + plan.new_tokens

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from scripts import bench
+from scripts import bench, measure
+from scripts.hf_peers import HFSystems
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -112,7 +113,7 @@ def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
     plan = bench.parse_args(["--model", str(target), "--draft", "self", "--prompt-file", str(book), "--contexts", "64",
                              "--new-tokens", "10", "--threads", "1"])
     session = open_session(plan.run, book.read_text())
-    hf = bench.HFSystems(session, session.config)
+    hf = HFSystems(session, session.config)
     hf.prefill(session.prompt_ids[-64:])
     tokens, _, stats, margins = hf.run("hf-generate", 10, GenerationConfig(max_new_tokens=10), scores=True)
     assert len(tokens) == 10 and len(margins) == 9 and stats["full_passes"] == 9
@@ -124,15 +125,15 @@ def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
 def test_ties_are_gaps_of_a_few_ulps_of_the_dtype():
     import torch
 
-    assert bench.ulps_at(torch.tensor([20.0, -1.5, 0.7]), torch.bfloat16).tolist() == [0.125, 2 ** -7, 2 ** -8]
-    assert bench.ties_only({}) and bench.ties_only({13: [0.375, 3.0]}) and not bench.ties_only({13: [2.0, 16.0]})
+    assert measure.ulps_at(torch.tensor([20.0, -1.5, 0.7]), torch.bfloat16).tolist() == [0.125, 2 ** -7, 2 ** -8]
+    assert measure.ties_only({}) and measure.ties_only({13: [0.375, 3.0]}) and not measure.ties_only({13: [2.0, 16.0]})
 
 
 def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, models):
     """sweep.py: greedy rows match autoregressive; the logit-gap check is zero for the reference's own
     token and large for another token, and leaves the shared prefill as it found it."""
     from scripts import sweep
-    from scripts.bench import TIE_ULPS, logit_gap_ulps, run_system
+    from scripts.measure import TIE_ULPS, logit_gap_ulps, run_system
     from scripts.common import generation_config
     from scripts.session import open_session
     from speculative import Generator
