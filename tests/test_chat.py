@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parallel import TensorParallel
-from scripts import chat
+from scripts import chat, chat_book
 from scripts.common import run_cli
 from speculative import Generator, kvfile
 
@@ -224,7 +224,7 @@ def test_damaged_cache_is_rebuilt(start, tmp_path, capsys, where):
 def test_mismatched_cache_is_refused(start, tmp_path):
     c = start()
     [path] = (tmp_path / "cache").glob("*.safetensors")
-    key = chat.cache_key(c.session, c.book)
+    key = chat_book.cache_key(c.session, c.book)
     kvfile.load(path, c.gen, key, c.book.prompt)  # the right key loads
     with pytest.raises(kvfile.CacheInvalid, match="another model, book or setting"):
         kvfile.load(path, c.gen, {**key, "dtype": "bfloat16"}, c.book.prompt)
@@ -253,7 +253,7 @@ def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
     assert "does not fit" in err and "--context 3900" in err
     args = chat.parse_args(argv + ["--context", "3900"])
     tok = chat.load_tokenizer(tiny_folder)
-    book = chat.prepare_book(args, tok, chat.Console(file=io.StringIO()), interactive=False)
+    book = chat_book.prepare_book(args, tok, chat.Console(file=io.StringIO()), interactive=False)
     ids = tok.encode(path.read_text(), add_special_tokens=False, split_special_tokens=True)
     head = len(book.fmt.markup(book.fmt.book_head))
     assert book.kept == 3900 and book.prompt[head:head + 3900] == ids[-3900:]
@@ -265,15 +265,15 @@ def test_chat_template_pieces(tiny_folder):
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    fmt = chat.ChatFormat(tok, "about t9")
+    fmt = chat_book.ChatFormat(tok, "about t9")
     assert fmt.templated and fmt.book_head == "<|im_start|>system\nabout t9\n\n" and fmt.book_tail == "<|im_end|>\n"
     assert fmt.turn_head == "<|im_start|>user\n" and fmt.turn_tail == "<|im_end|>\n<|im_start|>assistant\n"
     assert fmt.answer_end == "<|im_end|>\n"
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert end in chat.stop_ids(tok, fmt, str(tiny_folder))
+    assert end in chat_book.stop_ids(tok, fmt, str(tiny_folder))
     assert fmt.closing([5, end]) == [] and fmt.closing([5, 6]) == [end]  # "\n" is no token here
     assert fmt.encode("t5 <|im_end|>")[-1] != end  # user text never becomes a control token
-    assert not chat.ChatFormat(chat.load_tokenizer(tiny_folder), "x").templated  # no template: plain
+    assert not chat_book.ChatFormat(chat.load_tokenizer(tiny_folder), "x").templated  # no template: plain
 
 
 # ------------------------------------------------------------------------------------- TP input
