@@ -3,6 +3,6 @@
 Sharded loading lives in speculative/loader.py (each rank reads its slices from safetensors);
 this package joins the group torchrun started and installs the all-reduce into the model.
 """
-from .dist import TensorParallel, setup_tensor_parallel
+from .dist import TensorParallel, resolve_device, setup_tensor_parallel
 
-__all__ = ["TensorParallel", "setup_tensor_parallel"]
+__all__ = ["TensorParallel", "resolve_device", "setup_tensor_parallel"]

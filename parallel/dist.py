@@ -157,20 +157,34 @@ def _reason(e: Exception) -> str:
     return text.split(". ")[0].rstrip(".")[:200] or type(e).__name__
 
 
-def _device_for(spec: str, local_rank: int, local_world: int) -> str:
-    """cuda:<local rank> when the run is on GPUs (one GPU per rank), else cpu."""
-    kind = spec.split(":")[0]
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+def resolve_device(spec: str, local_rank: int = 0, local_world: int = 1) -> str:
+    """The device a process runs on, from --device: cpu, cuda, cuda:N or auto (a GPU when torch sees
+    one). The one resolver of every front end: a rank of a group with several ranks on this node
+    (`local_world` > 1) gets cuda:<local rank>, one GPU per rank."""
+    kind = _device_kind(spec)
     if kind == "cpu":
-        return "cpu"
-    if kind != "cuda":
-        raise UserError(f"--device {spec} is not supported with tensor parallelism: use cpu, cuda or auto")
+        return "cpu" if spec == "auto" else spec
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    if local_world == 1:
+        return "cuda" if spec == "auto" else spec
     count = torch.cuda.device_count()
     if count < local_world:
         raise UserError(f"{local_world} tensor-parallel ranks on this node need {local_world} GPUs but torch sees "
                         f"{count}; lower --tp / --nproc_per_node or use --device cpu")
     return f"cuda:{local_rank}"
+
+
+def _device_kind(spec: str) -> str:
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(spec).type
+    except RuntimeError:  # torch lists every backend it knows; only two are served here
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"--device {spec} not understood: use cpu, cuda, cuda:N or auto")
+    return kind
 
 
 def setup_tensor_parallel(tp: int, device: str = "auto", timeout: float | None = None,
@@ -186,13 +200,13 @@ def setup_tensor_parallel(tp: int, device: str = "auto", timeout: float | None =
         if tp != 1:
             raise UserError(f"--tp {tp} needs {tp} processes: launch with `torchrun --nproc_per_node={tp} "
                             f"scripts/generate.py --tp {tp} ...` or `NPROC={tp} bash scripts/launch_tp.sh ...`")
-        return TensorParallel(0, 1, 0, _device_for(device, 0, 1), timeout)
+        return TensorParallel(0, 1, 0, resolve_device(device), timeout)
     rank, world, local = env
     if tp != world:
         raise UserError(f"--tp {tp} but torchrun started {world} process(es) (WORLD_SIZE={world}); "
                         f"pass --tp {world} or launch with --nproc_per_node={tp}")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    where = _device_for(device, local, local_world)
+    where = resolve_device(device, local, local_world)
     kwargs = dict(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     if where.startswith("cuda"):
         torch.cuda.set_device(where)

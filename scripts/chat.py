@@ -18,9 +18,7 @@ import time
 _T0 = time.perf_counter()  # the startup time is reported: it is what the saved cache buys
 
 import argparse  # noqa: E402
-import hashlib  # noqa: E402
 import os  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -31,25 +29,20 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, not a traceback
-    import torch  # noqa: E402
     from rich.console import Console  # noqa: E402
     from rich.markup import escape  # noqa: E402
 
-    from scripts.common import (add_engine_args, add_model_args, checked_generation_config,  # noqa: E402
-                                prefill_progress, read_text, resolve_rope, run_cli)
+    from scripts.chat_book import Book, ChatOptions, load_or_prefill, prepare_book, stop_ids  # noqa: E402
+    from scripts.common import (add_engine_args, add_model_args, generation_plan, read_text,  # noqa: E402
+                                replace, run_cli, run_config)
     from scripts.session import open_session, print_stats_table  # noqa: E402
-    from speculative import ModelConfig, UserError, kvfile  # noqa: E402
+    from speculative import ModelConfig, UserError  # noqa: E402
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     sys.exit(130)
 from model.loader import load_tokenizer  # noqa: E402
 from speculative.stats import Stats  # noqa: E402
 
-SYSTEM = ("You are a helpful assistant. The user wants to talk about the book {name}, given below. Answer "
-          "their questions from the book's text, quote it where that helps, and say so when the book does not tell.")
-TRUNCATED = " Only the end of the book fits: the text below is its last {kept:,} tokens."
-MARKS = {"book": "@@BOOK@@", "question": "@@QUESTION@@", "answer": "@@ANSWER@@"}
-PLAIN = ("{system}\n\n", "\n\n", "User: ", "\nAssistant:", "\n\n")  # for tokenizers without a chat template
 PROMPT = "> "
 HELP = """[bold]/stats[/]       statistics of the last answer
 [bold]/reset[/]       drop the conversation, keep the book
@@ -61,7 +54,7 @@ COLOURS = {"draft": "\x1b[36m", "middle": "\x1b[32m"}  # the verifier's own toke
 LEGEND = "colours: [cyan]drafter[/], [green]retrieval level[/], plain = full-cache verifier"
 
 
-def parse_args(argv):
+def parse_args(argv) -> ChatOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--book", required=True, help="a UTF-8 text file")
     add_model_args(p)
@@ -79,218 +72,7 @@ def parse_args(argv):
         raise UserError(f"--room must be a positive number of tokens (got {args.room})")
     if args.context is not None and args.context < 1:
         raise UserError(f"--context must be positive (got {args.context})")
-    return args
-
-
-# ------------------------------------------------------------------------------------ the prompt
-class ChatFormat:
-    """The model's chat template cut into the pieces a growing conversation appends, as text:
-    book head/tail (the system message around the book), question head/tail (a user turn and the
-    assistant header) and the answer end (what closes an assistant turn, e.g. <|im_end|>\\n)."""
-
-    def __init__(self, tokenizer, system: str):
-        self.tok = tokenizer
-        parts = _template_parts(tokenizer, system)
-        self.templated = parts is not None
-        head, self.book_tail, self.turn_head, self.turn_tail, self.answer_end = parts or PLAIN
-        self.book_head = head.format(system=system) if parts is None else head
-
-    def encode(self, text: str) -> list[int]:
-        # user text is never read as control tokens: a book quoting "<|im_end|>" stays text
-        return self.tok.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
-
-    def markup(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False) if text else []
-
-    def book(self, book_ids: list[int]) -> list[int]:
-        return self.markup(self.book_head) + book_ids + self.markup(self.book_tail)
-
-    def question(self, text: str) -> list[int]:
-        return self.markup(self.turn_head) + self.encode(text) + self.markup(self.turn_tail)
-
-    def closing(self, answer: list[int]) -> list[int]:
-        """Tokens that close an assistant turn which produced `answer` (its end token may be there)."""
-        end = self.markup(self.answer_end)
-        return end[1:] if end and answer and answer[-1] == end[0] else end
-
-
-def _template_parts(tok, system: str):
-    if not getattr(tok, "chat_template", None):
-        return None
-    sys_msg = {"role": "system", "content": f"{system}\n\n{MARKS['book']}"}
-    user = {"role": "user", "content": MARKS["question"]}
-    render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
-    try:
-        a = render([sys_msg], False)
-        b = render([sys_msg, user], True)
-        c = render([sys_msg, user, {"role": "assistant", "content": MARKS["answer"]}], False)
-    except Exception:  # templates without a system role raise; the plain format still works
-        return None
-    if a.count(MARKS["book"]) != 1 or not b.startswith(a) or b.count(MARKS["question"]) != 1 \
-            or c.count(MARKS["answer"]) != 1:
-        return None
-    head, tail = a.split(MARKS["book"])
-    q_head, q_tail = b[len(a):].split(MARKS["question"])
-    return head, tail, q_head, q_tail, c.split(MARKS["answer"])[1] or "\n"
-
-
-def stop_ids(tok, fmt: ChatFormat, model_dir: str) -> frozenset:
-    """EOS, the template's end-of-turn token and generation_config.json's eos ids."""
-    import json
-
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    end = fmt.markup(fmt.answer_end)
-    if end and end[0] in tok.all_special_ids:
-        ids.add(end[0])
-    try:
-        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    except (OSError, ValueError):
-        pass
-    return frozenset(ids)
-
-
-@dataclass
-class Book:
-    name: str
-    digest: str  # sha256 of the file
-    tokens: int  # the whole book
-    kept: int  # the book tokens in the prompt
-    prompt: list[int]
-    fmt: ChatFormat
-
-
-def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None) -> Book:
-    kept = len(ids) if keep is None else min(keep, len(ids))
-    system = SYSTEM.format(name=name) + (TRUNCATED.format(kept=kept) if kept < len(ids) else "")
-    fmt = ChatFormat(tok, system)
-    return Book(name, digest, len(ids), kept, fmt.book(ids[len(ids) - kept:]), fmt)
-
-
-def context_limit(args) -> int:
-    """Positions the model takes: its own (with its config's scaling), or those of an explicit
-    --rope-scaling yarn:F / linear:F. 'auto' does not stretch a chat: the user decides."""
-    cfg = ModelConfig.from_folder(args.model)
-    if args.rope_scaling in ("auto", "none"):
-        return cfg.max_positions
-    return resolve_rope(cfg, 0, args.rope_scaling).max_positions
-
-
-def prepare_book(args, tok, console, interactive: bool, text: str | None = None) -> Book:
-    """Read (unless `text` is the book, already read), tokenize and wrap the book; tell the user its
-    size and whether it fits. It is never cut silently: a book too long is an error naming
-    --context, or, at a terminal, a question."""
-    path = Path(args.book)
-    text = read_text(path, "book") if text is None else text
-    ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    book = wrap_book(tok, path.name, digest, ids, args.context)
-    limit = context_limit(args)
-    cut = f", keeping the last {book.kept:,} (--context)" if book.kept < book.tokens else ""
-    console.print(f"[bold]{escape(path.name)}[/]: {book.tokens:,} tokens{cut}; {len(book.prompt):,} with the system "
-                  f"prompt and chat template{'' if book.fmt.templated else ' (plain: the tokenizer has none)'}")
-    if len(book.prompt) + args.room <= limit:
-        console.print(f"fits the model's {limit:,}-token context, with {args.room:,} tokens for the conversation")
-        return book
-    # the system prompt's size once the book is cut (the cut adds a note saying so)
-    overhead = len(wrap_book(tok, path.name, digest, ids + [0], len(ids)).prompt) - len(ids)
-    fit = (limit - args.room - overhead) // 100 * 100
-    problem = (f"{path.name} does not fit: {len(book.prompt):,} tokens plus {args.room:,} for the conversation "
-               f"exceed the model's {limit:,}-token context")
-    if fit < 1:
-        raise UserError(f"{problem}; lower --room")
-    console.print(f"[yellow]{escape(problem)}.[/]")
-    if interactive and _confirm(f"Keep only the last {fit:,} tokens of the book (--context {fit})? [y/N] "):
-        book = wrap_book(tok, path.name, digest, ids, fit)
-        console.print(f"keeping the last {book.kept:,} tokens of the book ({len(book.prompt):,} with the template); "
-                      f"pass --context {fit} to skip this question next time")
-        return book
-    raise UserError(f"{problem}; rerun with --context {fit} to keep the last {fit:,} tokens of the book, "
-                    f"or stretch the positions with --rope-scaling yarn:F")
-
-
-def _confirm(question: str) -> bool:
-    try:
-        return input(question).strip().lower() in ("y", "yes")
-    except (EOFError, KeyboardInterrupt):
-        return False
-
-
-# ------------------------------------------------------------------------------ prefill or load
-def cache_key(args, session, book: Book) -> dict:
-    """Everything the saved K/V depends on. The prompt ids cover book, --context, template and
-    tokenizer; the weights are identified by size and mtime (hashing gigabytes would cost more
-    than the prefill saves)."""
-    model = Path(args.model).resolve()
-    weights = sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model.glob("*.safetensors"))
-    dist = session.dist
-    return {"model": str(model), "config": kvfile.file_digest(model / "config.json"), "weights": weights,
-            "dtype": args.dtype, "device": torch.device(session.device).type, "torch": torch.__version__,
-            "rope_scaling": session.config.rope_scaling, "prefill_chunk": args.prefill_chunk,
-            "tp": [dist.rank, dist.world_size] if dist else [0, 1], "book": book.digest, "context": book.kept,
-            "prompt": hashlib.sha256(torch.tensor(book.prompt).numpy().tobytes()).hexdigest()}
-
-
-def cache_path(args, book: Book, key: dict) -> Path:
-    root = args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce-chat"
-    digest = hashlib.sha256(kvfile.key_text(key).encode()).hexdigest()[:16]
-    stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(book.name).stem)[:40]
-    rank = f"-rank{key['tp'][0]}" if key["tp"][1] > 1 else ""
-    return Path(root).expanduser() / f"{stem}-{digest}{rank}.safetensors"
-
-
-def load_or_prefill(args, session, gen, book: Book, console) -> list[torch.Tensor]:
-    """The book's last-token queries, with its K/V in gen's full cache: from disk when a valid
-    saved cache exists (on every rank), else by prefilling (and saving for next time)."""
-    path = None
-    if args.no_cache:
-        pass
-    else:
-        key = cache_key(args, session, book)
-        path = cache_path(args, book, key)
-    queries = None
-    if path is not None and path.exists():
-        start = time.perf_counter()
-        try:
-            queries = kvfile.load(path, gen, key, book.prompt)
-            console.print(f"loaded the prefilled book from {escape(str(path))} in {time.perf_counter() - start:.1f} s")
-        except kvfile.CacheInvalid as e:
-            console.print(f"[yellow]the saved cache {escape(str(path))} {escape(str(e))}: rebuilding it[/]")
-    if session.dist is not None and not session.dist.all_agree(queries is not None):
-        if queries is not None:  # the failing rank's console is quiet: say why this rank prefills
-            console.print("[yellow]another tensor-parallel rank's saved cache is unusable: rebuilding them all[/]")
-        queries = None
-    if queries is None:
-        start = time.perf_counter()
-        progress, advance = prefill_progress(console, len(book.prompt))
-        with progress:
-            gen.prefill(book.prompt, progress=advance if session.is_main else None)
-        seconds = time.perf_counter() - start
-        console.print(f"prefilled {len(book.prompt):,} tokens in {seconds:.1f} s "
-                      f"({len(book.prompt) / seconds:,.0f} tokens/s)")
-        queries = kvfile.last_queries(gen)
-        if path is not None:
-            _save(path, gen, book, queries, key, console)
-    return queries
-
-
-def _save(path: Path, gen, book: Book, queries, key: dict, console) -> None:
-    cache = gen.full.cache
-    size = 2 * cache.k[:, :, :len(book.prompt)].numel() * cache.k.element_size()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if shutil.disk_usage(path.parent).free < size + (256 << 20):
-            console.print(f"[yellow]not saving the prefilled book: {_mib(size)} needed, "
-                          f"{escape(str(path.parent))} is short of space (--cache-dir elsewhere)[/]")
-            return
-        size = kvfile.save(path, gen, book.prompt, queries, key)
-        console.print(f"saved it to {escape(str(path))} ({_mib(size)}): the next start on this book skips the prefill")
-    except OSError as e:
-        console.print(f"[yellow]could not save the prefilled book ({escape(str(e))}); the next start prefills again[/]")
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:,.1f} MiB"
+    return ChatOptions(run_config(args), args.book, args.room, args.cache_dir, args.no_cache, args.show_levels)
 
 
 # ------------------------------------------------------------------------------- conversation
@@ -499,7 +281,7 @@ def _command(chat: Chat, line: str, console) -> bool:
         if chat.last is None:
             console.print("no answer yet: ask a question first")
         else:
-            lower = chat.session.args.lower_weights if chat.session is not None else "same"
+            lower = chat.session.run.lower_weights if chat.session is not None else "same"
             print_stats_table(console, chat.gen.mode, chat.last.stats, lower)
     elif name == "/reset":
         chat.reset()
@@ -526,37 +308,38 @@ def _save_transcript(chat: Chat, target: str, console) -> None:
 
 
 # ------------------------------------------------------------------------------------- start-up
-def start(args, interactive: bool | None = None) -> Chat:
+def start(opts: ChatOptions, interactive: bool | None = None) -> Chat:
     """Everything before the first question: book, model, and the book's KV cache."""
     console = Console(stderr=True, quiet=int(os.environ.get("RANK", "0")) != 0)
-    ModelConfig.from_folder(args.model)  # a missing or broken model folder: one clear line, before any work
-    text = read_text(args.book, "book")  # so is a bad book file: before the tokenizer's slow import
-    tok = load_tokenizer(args.model)
+    run = opts.run
+    ModelConfig.from_folder(run.model)  # a missing or broken model folder: one clear line, before any work
+    text = read_text(opts.book, "book")  # so is a bad book file: before the tokenizer's slow import
+    tok = load_tokenizer(run.model)
     if interactive is None:
         interactive = sys.stdin.isatty() and int(os.environ.get("WORLD_SIZE", "1")) == 1
-    book = prepare_book(args, tok, console, interactive, text)
-    total = len(book.prompt) + args.room
+    book = prepare_book(opts, tok, console, interactive, text)
+    total = len(book.prompt) + opts.room
     # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
     # that is the book plus the conversation's room, and the book is already cut to --context
-    cfg = checked_generation_config(args, len(book.prompt), console)  # bad settings are refused before the weights load
-    session = open_session(argparse.Namespace(**{**vars(args), "max_new_tokens": total, "context": None}), None)
+    run, cfg = generation_plan(run, len(book.prompt), console)  # bad settings are refused before the weights load
+    session = open_session(replace(run, max_new_tokens=total, context=None), None)
     gen = session.generator(cfg, max_len=total)
-    queries = load_or_prefill(args, session, gen, book, console)
-    chat = Chat(gen, session.tokenizer, book, queries, stop_ids(tok, book.fmt, args.model), session)
+    queries = load_or_prefill(opts, session, gen, book, console)
+    chat = Chat(gen, session.tokenizer, book, queries, stop_ids(tok, book.fmt, run.model), session)
     console.print(f"ready in {time.perf_counter() - _T0:.1f} s")
     return chat
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    opts = parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         # run_cli turns SIGTERM into a Ctrl-C, which here would only stop an answer: quit instead
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    chat = start(args)
+    chat = start(opts)
     if not chat.is_main and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # other ranks follow rank 0's input, not the keyboard
     try:
-        return repl(chat, sys.stdin, chat.out, args.show_levels)
+        return repl(chat, sys.stdin, chat.out, opts.show_levels)
     finally:
         chat.close()
 

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -60,6 +60,51 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, default=512)
 
 
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's settings, read once from the flags of add_model_args and add_engine_args. Nothing
+    writes to it: a front end that needs a variant (another mode, context or number of new tokens)
+    makes one with dataclasses.replace, and what is resolved later ('auto' device and lower weights)
+    lives in the Session's copy."""
+    # model
+    model: str
+    draft: str | None
+    dtype: str
+    device: str
+    threads: int | None
+    rope_scaling: str
+    context: int | None
+    offload: str
+    onchip_layers: str
+    offload_chunk: int
+    cuda_graphs: bool
+    tp: int
+    lower_weights: str
+    # generation
+    mode: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    budget: int | None
+    chunk_size: int
+    gamma1: int | None
+    gamma2: int | None
+    draft_window: int
+    sinks: int
+    rebuild_threshold: float
+    prefill_chunk: int
+
+
+def run_config(args: argparse.Namespace, **derived) -> RunConfig:
+    """The run configuration of parsed flags; `derived` holds the values a front end computes
+    instead of taking them as given (bench.py's --new-tokens is the number of new tokens)."""
+    given = {f.name: getattr(args, f.name) for f in fields(RunConfig)}
+    return RunConfig(**{**given, **derived})
+
+
 # Defaults from the sweeps in README ("Choosing the defaults"). On CPU every level reads the same
 # weights, so a middle pass costs the weights plus its budget of KV and the full pass the weights plus
 # the whole context: a bigger budget buys acceptance cheaply at long context (32K: 0.79 at 8,192 vs
@@ -72,13 +117,6 @@ DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce"
                   "cuda": {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}}
 
 
-def on_gpu(args) -> bool:
-    import torch
-
-    device = getattr(args, "device", "auto") or "auto"
-    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-
-
 def default_budget(prompt_len: int, chunk: int, gpu: bool) -> int:
     if gpu:
         return GPU_BUDGET
@@ -86,39 +124,50 @@ def default_budget(prompt_len: int, chunk: int, gpu: bool) -> int:
     return min(max(prompt_len // CPU_BUDGET_FRACTION // chunk * chunk, low), high)
 
 
-def generation_config(args, prompt_len: int, console=None):
-    """GenerationConfig from flags. A default budget shrinks to fit a short prompt (said on stderr);
+def generation_config(run: RunConfig, prompt_len: int, console=None):
+    """GenerationConfig of a run. A default budget shrinks to fit a short prompt (said on stderr);
     a budget the user chose is checked as given."""
+    from parallel import resolve_device
     from speculative import GenerationConfig
+    from speculative.retrieval import MIN_CHUNKS
 
-    gpu = on_gpu(args)
-    g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][args.mode]
-    budget = args.budget
+    gpu = resolve_device(run.device).startswith("cuda")
+    g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][run.mode]
+    budget = run.budget
     if budget is None:  # a chunk size <= 0 is refused by GenerationConfig, naming it
-        chunk = max(args.chunk_size, 1)
+        chunk = max(run.chunk_size, 1)
         budget = default_budget(prompt_len, chunk, gpu)
-        if retrieves(args.mode) and budget >= prompt_len:
-            budget = max(3 * chunk, (prompt_len // 2) // chunk * chunk)
-            if console:
+        if retrieves(run.mode) and budget >= prompt_len:
+            budget = max(MIN_CHUNKS * chunk, (prompt_len // 2) // chunk * chunk)
+            if console and budget < prompt_len:
                 console.print(f"[yellow]note:[/] prompt has {prompt_len} tokens; retrieval budget set to {budget}")
     return GenerationConfig(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, budget=budget, chunk_size=args.chunk_size,
-        gamma1=args.gamma1 if args.gamma1 is not None else max(g1, 1),
-        gamma2=args.gamma2 if args.gamma2 is not None else max(g2, 1),
-        draft_window=args.draft_window, sink_tokens=args.sinks, rebuild_threshold=args.rebuild_threshold,
-        prefill_chunk=args.prefill_chunk)
+        max_new_tokens=run.max_new_tokens, temperature=run.temperature, top_p=run.top_p, top_k=run.top_k,
+        seed=run.seed, budget=budget, chunk_size=run.chunk_size,
+        gamma1=run.gamma1 if run.gamma1 is not None else max(g1, 1),
+        gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
+        draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
+        prefill_chunk=run.prefill_chunk)
 
 
-def checked_generation_config(args, prompt_len: int, console=None):
-    """generation_config, with the retrieval budget also checked against the prompt. The front ends
-    call it before the weights load: a budget that cannot work is refused at once, not at prefill."""
-    from speculative.retrieval import check_budget
+def generation_plan(run: RunConfig, prompt_len: int, console=None):
+    """(run, GenerationConfig) for a prompt of `prompt_len` tokens, checked before the weights load.
+    A prompt too short to retrieve from (not longer than the retrieval budget a default would pick)
+    runs the mode without the retrieval level, said in one line; a budget the user chose is checked
+    against the prompt as given, so a mistake is named rather than worked around."""
+    from speculative.retrieval import check_budget, mode_for_prompt
 
-    cfg = generation_config(args, prompt_len, console)
-    if retrieves(args.mode):
+    cfg = generation_config(run, prompt_len, console)
+    if retrieves(run.mode) and run.budget is None:
+        mode, note = mode_for_prompt(run.mode, cfg.budget, cfg.chunk_size, prompt_len)
+        if note:
+            if console:
+                console.print(f"[yellow]note:[/] {note}")
+            run = replace(run, mode=mode)
+            cfg = generation_config(run, prompt_len)
+    if retrieves(run.mode):
         check_budget(cfg.budget, cfg.chunk_size, prompt_len)
-    return cfg
+    return run, cfg
 
 
 def retrieves(mode: str) -> bool:
@@ -135,40 +184,26 @@ def resolve_draft(model: str, draft: str | None) -> str:
     return "self"
 
 
-def resolve_rope(cfg, needed: int, spec: str, console=None):
-    """The model config with the RoPE scaling `spec` applied for a sequence of `needed` tokens."""
-    import math
+def resolve_rope(cfg, needed: int, spec: str, console=None, new_tokens: int = 0):
+    """The model config with the RoPE scaling `spec` applied for a sequence of `needed` tokens
+    (model.rope.scaled_for, the rule the Python API applies too); a scaling it adds is said in one line."""
+    from model.rope import scaled_for
 
-    from speculative import UserError
-
-    if spec == "none":
-        if needed > cfg.max_positions:
-            raise UserError(f"{needed} tokens exceed the model's {cfg.max_positions} positions and "
-                            f"--rope-scaling none refuses to extend; use --rope-scaling auto or a smaller --context")
-        return cfg
-    if spec == "auto":
-        if needed <= cfg.max_positions:
-            return cfg
-        factor = math.ceil(needed / cfg.trained_positions * 4) / 4  # smallest sufficient, in steps of 0.25
-        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": cfg.trained_positions}
-        if console:
-            console.print(f"[yellow]note:[/] {needed} tokens exceed the {cfg.trained_positions} trained positions: "
-                          f"applying YaRN RoPE scaling x{factor:g} (--rope-scaling none refuses instead)")
-        return cfg.with_rope_scaling(scaling)
-    kind, _, value = spec.partition(":")
-    try:
-        factor = float(value)
-    except ValueError:
-        factor = 0.0
-    if kind not in ("yarn", "linear") or factor < 1:
-        raise UserError(f"--rope-scaling '{spec}' not understood: use auto, none, yarn:F or linear:F with F >= 1")
-    scaling = {"rope_type": kind, "factor": factor}
-    if kind == "yarn":
-        scaling["original_max_position_embeddings"] = cfg.trained_positions
-    scaled = cfg.with_rope_scaling(scaling)
-    if needed > scaled.max_positions:
-        raise UserError(f"{needed} tokens exceed the {scaled.max_positions} positions of {spec}; raise the factor")
+    scaled, note = scaled_for(cfg, needed, spec, new_tokens)
+    if note and console:
+        console.print(f"[yellow]note:[/] {note}")
     return scaled
+
+
+def context_positions(cfg, spec: str) -> int:
+    """The most positions a run may use with --rope-scaling `spec`: with auto (the default) as far as
+    the YaRN scaling it adds supports; with none, the checkpoint's own (its config's scaling
+    included); else those of yarn:F / linear:F."""
+    from model.rope import max_auto_positions
+
+    if spec == "auto":
+        return max_auto_positions(cfg)
+    return cfg.max_positions if spec == "none" else resolve_rope(cfg, 0, spec).max_positions
 
 
 def read_text(path: str | Path, what: str = "prompt file") -> str:
@@ -188,26 +223,9 @@ def read_text(path: str | Path, what: str = "prompt file") -> str:
         raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
 
 
-def pick_device(spec: str):
-    import torch
-
-    from speculative import UserError
-
-    if spec == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(spec).type
-    except RuntimeError:  # torch lists every backend it knows; only two are served here
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise UserError(f"--device {spec} not understood: use cpu, cuda, cuda:N or auto")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
-    return spec
-
-
-def prefill_progress(console, total: int, label: str = "prefill"):
-    """A rich progress bar (tokens done / total, tokens/s, time left); returns (progress, advance)."""
+def prefill_progress(console, total: int, label: str = "prefill", done: int = 0):
+    """A rich progress bar (tokens done / total, tokens/s, time left); returns (progress, advance).
+    `done`: tokens already there (resumed from a checkpoint), shown but not counted in the rate."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     class Rate(TextColumn):
@@ -216,10 +234,11 @@ def prefill_progress(console, total: int, label: str = "prefill"):
             return TextColumn(f"{speed:,.0f} tok/s" if speed else "").render(task)
 
     if not console.is_terminal:  # a log file gets no live bar, only the final one: say when it starts
-        console.print(f"{label}: {total:,} tokens ...")
+        console.print(f"{label}: {total - done:,} tokens ..." if not done else
+                      f"{label}: {total - done:,} tokens after {done:,} resumed ...")
     progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), Rate(""),
                         TimeRemainingColumn(), console=console, transient=False)
-    task = progress.add_task(label, total=total)
+    task = progress.add_task(label, total=total, completed=done)
     return progress, lambda n: progress.advance(task, n)
 
 
@@ -324,5 +343,6 @@ class Timer:
         return time.perf_counter() - self.start
 
 
-__all__ = ["add_model_args", "add_engine_args", "generation_config", "checked_generation_config", "resolve_draft",
-           "resolve_rope", "read_text", "pick_device", "prefill_progress", "run_cli", "replace"]
+__all__ = ["add_model_args", "add_engine_args", "RunConfig", "run_config", "generation_config",
+           "generation_plan", "context_positions", "resolve_draft", "resolve_rope", "read_text", "prefill_progress", "run_cli",
+           "replace"]

@@ -32,27 +32,38 @@ which it ran on.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import os
 import socket
 import statistics
 import sys
-import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common import (DEFAULT_PROMPT_FILE, add_engine_args, add_model_args, generation_config, pick_device,  # noqa: E402
-                            prefill_progress, read_text, run_cli)
+from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,  # noqa: E402
+                            generation_config, prefill_progress, read_text, run_cli, run_config)
 
 NOT_INCLUDED = ("not included: ZeRO-Inference's KV-cache offload with CPU attention (it only lived in a fork of "
                 "transformers and never reached a release); DeepSpeed keeps transformers' KV cache on its device, "
                 "so this compares ZeRO-3 parameter offload only")
 
 
-def parse_args(argv):
+@dataclass(frozen=True)
+class ComparePlan:
+    run: RunConfig
+    prompt_file: str | None
+    new_tokens: int
+    repeats: int
+    modes: tuple[str, ...]  # our engines
+    pin_memory: bool
+    out: str | None
+    accept_ties: bool
+
+
+def parse_args(argv) -> ComparePlan:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_engine_args(p)
@@ -66,11 +77,10 @@ def parse_args(argv):
                    help="do not fail when DeepSpeed's tokens diverge only at logit ties (see scripts/bench.py)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
-    args.max_new_tokens = args.new_tokens
-    if args.context is None:
-        args.context = 1024
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    return args
+    run = run_config(args, max_new_tokens=args.new_tokens, context=1024 if args.context is None else args.context)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return ComparePlan(run, args.prompt_file, args.new_tokens, args.repeats, modes, args.pin_memory, args.out,
+                       args.accept_ties)
 
 
 def deepspeed_blocker(device: str) -> str | None:
@@ -131,7 +141,7 @@ def deepspeed_wrap(dtype, hidden: int, pin_memory: bool, device: str):
 
 
 def hardware_summary(device: str) -> tuple[str, dict]:
-    from scripts.bench import hardware, hardware_line
+    from scripts.bench_report import hardware, hardware_line
 
     hw = hardware()
     accel = None
@@ -146,47 +156,50 @@ def hardware_summary(device: str) -> tuple[str, dict]:
     return line, {**hw, "deepspeed_accelerator": accel}
 
 
-def run(args) -> dict:
+def compare(plan: ComparePlan) -> dict:
     import torch
 
-    from scripts.bench import HFSystems, ties_only, wide, _full_cache_factory, first_mismatch, run_system
+    from scripts.bench_report import wide
+    from scripts.hf_peers import HFSystems
+    from scripts.measure import first_mismatch, prefill_cache_factory, run_system, ties_only
+    from parallel import resolve_device
     from scripts.session import open_session
     from speculative import Generator, UserError
     from speculative.engine import synchronize
 
-    if args.tp != 1:
+    run = plan.run
+    if run.tp != 1:
         raise UserError("compare_deepspeed.py compares single-device modes: use --tp 1")
-    if args.temperature > 0:
+    if run.temperature > 0:
         raise UserError("compare_deepspeed.py runs greedy (the token check needs it): leave --temperature at 0")
-    device = pick_device(args.device)
+    device = resolve_device(run.device)
     blocker = deepspeed_blocker(device)
     if blocker:
         raise UserError(f"DeepSpeed ZeRO-Inference cannot run here: {blocker}")
-    text = read_text(args.prompt_file or DEFAULT_PROMPT_FILE)
-    session = open_session(args, text)
+    text = read_text(plan.prompt_file or DEFAULT_PROMPT_FILE)
+    session = open_session(run, text)
     console = session.console
     prompt = session.prompt_ids
-    if len(prompt) < args.context:
-        console.print(f"[yellow]note:[/] the prompt file has {len(prompt)} tokens (< --context {args.context})")
+    if len(prompt) < run.context:
+        console.print(f"[yellow]note:[/] the prompt file has {len(prompt)} tokens (< --context {run.context})")
     import deepspeed
 
     try:
-        wrap, ds_config = deepspeed_wrap(session.dtype, session.config.hidden_size, args.pin_memory, device)
+        wrap, ds_config = deepspeed_wrap(session.dtype, session.config.hidden_size, plan.pin_memory, device)
         with console.status("DeepSpeed ZeRO-3 (parameters offloaded to CPU): loading"):
-            ds = HFSystems(session, args, session.config, wrap=wrap, assistant=False)
+            ds = HFSystems(session, session.config, wrap=wrap, assistant=False)
     except Exception as e:
         raise UserError(f"DeepSpeed ZeRO-Inference failed to start on {device}: {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)  # DeepSpeed's CPU accelerator may change it
+    if run.threads:
+        torch.set_num_threads(run.threads)  # DeepSpeed's CPU accelerator may change it
     hw_line, hw = hardware_summary(device)
     wide(console).print(f"[bold]hardware:[/] {hw_line}")
 
-    args.mode = "triforce"
-    cfg = generation_config(args, len(prompt), console)
-    max_len = len(prompt) + args.new_tokens
+    cfg = generation_config(replace(session.run, mode="triforce"), len(prompt), console)
+    max_len = len(prompt) + plan.new_tokens
     seed = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len,
-                     full_cache_factory=_full_cache_factory(session, cfg))
+                     full_cache_factory=prefill_cache_factory(session, cfg))
     progress, advance = prefill_progress(console, len(prompt), "prefill (ours)")
     with progress:
         seed.prefill(prompt, progress=advance)
@@ -194,12 +207,12 @@ def run(args) -> dict:
     with console.status("prefill (DeepSpeed)"):
         ds_prefill, _ = ds.prefill(prompt)
 
-    systems = ["deepspeed"] + args.modes
+    systems = ["deepspeed", *plan.modes]
     res = {s: {"times": [], "tokens": None, "margins": None} for s in systems}
-    for rep in range(args.repeats + 1):  # 0: warm-up
+    for rep in range(plan.repeats + 1):  # 0: warm-up
         for s in systems:
             if s == "deepspeed":
-                tokens, seconds, _, margins = ds.run("hf-generate", args.new_tokens, cfg, scores=rep == 0)
+                tokens, seconds, _, margins = ds.run("hf-generate", plan.new_tokens, cfg, scores=rep == 0)
                 if rep == 0:
                     res[s]["margins"] = margins
             else:
@@ -210,8 +223,8 @@ def run(args) -> dict:
                 res[s]["times"].append(seconds)
             console.print(f"  {'warm-up' if rep == 0 else f'rep {rep}'} {s}: {seconds / (len(tokens) - 1) * 1e3:.1f} ms/token")
     synchronize(torch.device(device))
-    ref = res.get("autoregressive", res[args.modes[0]] if args.modes else None)
-    kv_where = "host memory (streamed per pass)" if args.offload == "host" else f"{device} memory"
+    ref = res.get("autoregressive", res[plan.modes[0]] if plan.modes else None)
+    kv_where = "host memory (streamed per pass)" if run.offload == "host" else f"{device} memory"
     rows = []
     for s in systems:
         n = len(res[s]["tokens"]) - 1
@@ -234,9 +247,9 @@ def run(args) -> dict:
         rows.append(row)
     import transformers
 
-    return {"hardware_line": hw_line, "hardware": hw, "device": device, "model": args.model, "dtype": args.dtype,
-            "prompt_file": str(args.prompt_file or DEFAULT_PROMPT_FILE), "prompt_tokens": len(prompt),
-            "new_tokens": args.new_tokens, "repeats": args.repeats, "budget": cfg.budget, "gamma1": cfg.gamma1,
+    return {"hardware_line": hw_line, "hardware": hw, "device": device, "model": run.model, "dtype": run.dtype,
+            "prompt_file": str(plan.prompt_file or DEFAULT_PROMPT_FILE), "prompt_tokens": len(prompt),
+            "new_tokens": plan.new_tokens, "repeats": plan.repeats, "budget": cfg.budget, "gamma1": cfg.gamma1,
             "gamma2": cfg.gamma2, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
             "deepspeed_config": ds_config, "not_included": NOT_INCLUDED, "rows": rows}
 
@@ -272,13 +285,13 @@ def print_report(rep: dict) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    rep = run(args)
+    plan = parse_args(argv)
+    rep = compare(plan)
     print_report(rep)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rep, indent=2, default=str))
-        print(f"results: {args.out}")
-    failed = [r for r in rep["rows"] if r["same_tokens"] is False and not (args.accept_ties and r.get("tie_only"))]
+    if plan.out:
+        Path(plan.out).write_text(json.dumps(rep, indent=2, default=str))
+        print(f"results: {plan.out}")
+    failed = [r for r in rep["rows"] if r["same_tokens"] is False and not (plan.accept_ties and r.get("tie_only"))]
     if failed:
         print(f"error: {', '.join(r['key'] for r in failed)} generated different tokens than our autoregressive greedy",
               file=sys.stderr)

@@ -10,15 +10,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.common import (DEFAULT_PROMPT_FILE, add_engine_args, add_model_args,  # noqa: E402
-                            checked_generation_config, prefill_progress, read_text, run_cli)
+from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,  # noqa: E402
+                            prefill_progress, read_text, run_cli, run_config)
 
 
-def parse_args(argv):
+@dataclass(frozen=True)
+class GenerateOptions:
+    run: RunConfig
+    prompt: str | None  # the prompt text itself, or None: read prompt_file
+    prompt_file: str | None
+    json: bool
+
+
+def parse_args(argv) -> GenerateOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_engine_args(p)
@@ -28,26 +37,26 @@ def parse_args(argv):
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)
-    if args.prompt is None and args.prompt_file is None:
-        args.prompt_file = str(DEFAULT_PROMPT_FILE)
-        if args.context is None:
-            args.context = 4096
-    return args
+    embedded = args.prompt is None and args.prompt_file is None  # the book prefix: its last 4,096 tokens
+    context = 4096 if embedded and args.context is None else args.context
+    return GenerateOptions(run_config(args, context=context), args.prompt,
+                           str(DEFAULT_PROMPT_FILE) if embedded else args.prompt_file, args.json)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    text = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    opts = parse_args(argv)
+    run = opts.run
+    text = opts.prompt if opts.prompt is not None else read_text(opts.prompt_file)
     # imported here, not at the top, so that torch first loads under run_cli, where a Ctrl-C during
     # its import is a clean "interrupted"
     from scripts.session import Session
 
-    session = Session(args, text)
+    session = Session(run, text)
     console, out = session.console, session.stdout
     ids = session.prompt_ids
-    cfg = checked_generation_config(args, len(ids), console)  # bad settings are refused before the weights load
+    cfg = session.plan_generation()  # bad settings are refused before the weights load
     session.load()
-    gen = session.generator(cfg, max_len=len(ids) + args.max_new_tokens)
+    gen = session.generator(cfg, max_len=len(ids) + run.max_new_tokens)
 
     progress, advance = prefill_progress(console, len(ids))
     with progress if session.is_main else _null():
@@ -60,7 +69,7 @@ def main(argv=None) -> int:
     def stream(new_tokens, _level):
         nonlocal shown
         generated.extend(new_tokens)
-        if args.json or not session.is_main:
+        if opts.json or not session.is_main:
             return
         text_so_far = tokenizer.decode(generated, skip_special_tokens=True)
         if text_so_far.endswith("\ufffd"):  # a multi-byte character still incomplete
@@ -74,11 +83,11 @@ def main(argv=None) -> int:
     if not session.is_main:
         return 0
     text_out = tokenizer.decode(tokens, skip_special_tokens=True)
-    if args.json:
-        out.write(json.dumps(session.report(args, cfg, tokens, text_out, stats)) + "\n")
+    if opts.json:
+        out.write(json.dumps(session.report(cfg, tokens, text_out, stats)) + "\n")
     else:
         out.write(text_out[shown:] + "\n")
-        session.print_stats(args, cfg, stats)
+        session.print_stats(stats)
     session.close()
     return 0
 

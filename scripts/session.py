@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from scripts.common import pick_device, resolve_draft, resolve_rope
+from parallel import resolve_device, setup_tensor_parallel
+from scripts.common import RunConfig, context_positions, generation_plan, resolve_draft, resolve_rope
 from speculative import Generator, ModelConfig, UserError
 from speculative.api import load, resolve_dtype
 from model.loader import load_tokenizer
 from model.tensor_parallel import check_shardable
 from model.quant import resolve_lower_weights, with_lower_weights
 
-AUTO_ROPE_MAX_FACTOR = 32
 
 
 HOST_MEMORY_ENV = "SPEC_HOST_MEMORY_BYTES"  # pretend this much host memory is available (for tests)
@@ -45,54 +46,58 @@ def host_available_bytes() -> int | None:
 
 class Session:
     """Construction checks everything that is cheap to check (flags, model config, tokenizer, prompt,
-    positions, host memory), so a mistake is refused before `load` reads any weights."""
+    positions, host memory), so a mistake is refused before `load` reads any weights.
 
-    def __init__(self, args, text: str | None):
-        self.args = args
-        check_flags(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        self.dist = _setup_parallel(args)
+    `run` is the run configuration as given; `self.run` is the same with its device and lower
+    weights resolved ('auto' made concrete), which is what everything after reads."""
+
+    def __init__(self, run: RunConfig, text: str | None):
+        check_flags(run)
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        self.dist = _setup_parallel(run)
         self.is_main = self.dist is None or self.dist.rank == 0
         self.console = Console(stderr=True, quiet=not self.is_main)
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
-        self.device = self.dist.device if self.dist else pick_device(args.device)
-        self.dtype = resolve_dtype(args.dtype)
-        args.lower_weights = resolve_lower_weights(args.lower_weights, self.device, self.dtype)
-        if args.lower_weights != "same" and self.device != "cpu":
-            raise UserError(f"--lower-weights {args.lower_weights} is for the CPU path (torch's fused int8 kernel "
+        self.device = self.dist.device if self.dist else resolve_device(run.device)
+        self.dtype = resolve_dtype(run.dtype)
+        lower = resolve_lower_weights(run.lower_weights, self.device, self.dtype)
+        if lower != "same" and self.device != "cpu":
+            raise UserError(f"--lower-weights {lower} is for the CPU path (torch's fused int8 kernel "
                             "is CPU-only); use --lower-weights same on a GPU")
-        self.draft = resolve_draft(args.model, args.draft)
-        base_cfg = ModelConfig.from_folder(args.model)
+        self.run = replace(run, device=self.device, lower_weights=lower)
+        self.draft = resolve_draft(run.model, run.draft)
+        base_cfg = ModelConfig.from_folder(run.model)
         check_shardable(base_cfg, self.dist.world_size if self.dist else 1)
-        self.tokenizer = load_tokenizer(args.model)
+        self.tokenizer = load_tokenizer(run.model)
         self.prompt_ids = self.encode(text) if text is not None else []
-        needed = len(self.prompt_ids) + args.max_new_tokens
-        limit = base_cfg.trained_positions * (AUTO_ROPE_MAX_FACTOR if args.rope_scaling == "auto" else 1)
-        if args.context and args.context + args.max_new_tokens > max(limit, base_cfg.max_positions):
-            raise UserError(f"--context {args.context} plus {args.max_new_tokens} new tokens exceeds the "
-                            f"{max(limit, base_cfg.max_positions)} positions this model supports; lower --context")
-        self.config = resolve_rope(base_cfg, needed, args.rope_scaling, self.console)
+        needed = len(self.prompt_ids) + run.max_new_tokens
+        if run.context:  # a --context that can never fit is refused even when this prompt is shorter
+            limit = context_positions(base_cfg, run.rope_scaling)
+            if run.context + run.max_new_tokens > limit:
+                raise UserError(f"--context {run.context} plus {run.max_new_tokens} new tokens exceeds the {limit} "
+                                f"positions this model supports; use --context {limit - run.max_new_tokens} or less")
+        self.config = resolve_rope(base_cfg, needed, run.rope_scaling, self.console, run.max_new_tokens)
         self._check_host_memory(needed)
         self.needed = needed
 
     def load(self) -> "Session":
-        args = self.args
-        with self.console.status(f"loading {args.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
-            self.loaded = load(args.model, self.draft, self.dtype, self.device, target_config=self.config,
+        run = self.run
+        with self.console.status(f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
+            self.loaded = load(run.model, self.draft, self.dtype, self.device, target_config=self.config,
                                max_len=self.needed, rank=self.dist.rank if self.dist else 0,
                                world_size=self.dist.world_size if self.dist else 1)
         if self.dist:
             self.dist.attach(self.loaded.models.target)
         # after attach: the int8 twin shares the target's all-reduce hook as it is then
-        self.loaded.models = with_lower_weights(self.loaded.models, args.lower_weights)
+        self.loaded.models = with_lower_weights(self.loaded.models, run.lower_weights)
         return self
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise UserError("the prompt encodes to no tokens; give some text")
-        context = self.args.context
+        context = self.run.context
         if context is not None:
             if context <= 0:
                 raise UserError(f"--context must be positive (got {context})")
@@ -108,23 +113,29 @@ class Session:
         params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
             cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size)
         kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * tokens
-        weights = params * (elem + (1 if self.args.lower_weights == "int8" else 0))  # + the int8 copy
+        weights = params * (elem + (1 if self.run.lower_weights == "int8" else 0))  # + the int8 copy
         need = weights * (1 if self.draft == "self" else 1.5) + kv
         available = host_available_bytes()
         if available is not None and need > available:
             raise UserError(f"this run needs about {_size(need)} of memory (weights + KV cache for {tokens} tokens) "
                             f"but {_size(available)} are available; lower --context or use --dtype bfloat16")
 
+    def plan_generation(self):
+        """The GenerationConfig for this session's prompt (scripts.common.generation_plan); a prompt
+        too short to retrieve from switches this session to the mode without the retrieval level."""
+        self.run, cfg = generation_plan(self.run, len(self.prompt_ids), self.console)
+        return cfg
+
     def generator(self, cfg, max_len: int) -> Generator:
         factory = None
-        if self.args.offload == "host":
+        if self.run.offload == "host":
             from offload import full_cache_factory
 
             factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk,
-                                         onchip_layers=onchip_layers(self.args), chunk_tokens=self.args.offload_chunk)
-        gen = Generator(self.loaded.models, cfg, self.args.mode, max_len=max_len, full_cache_factory=factory)
+                                         onchip_layers=onchip_layers(self.run), chunk_tokens=self.run.offload_chunk)
+        gen = Generator(self.loaded.models, cfg, self.run.mode, max_len=max_len, full_cache_factory=factory)
         self._last_full_cache = gen.full.cache
-        if self.args.cuda_graphs:
+        if self.run.cuda_graphs:
             if not str(self.device).startswith("cuda"):
                 raise UserError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
             from speculative.graphs import enable_cuda_graphs
@@ -132,11 +143,12 @@ class Session:
             enable_cuda_graphs(gen)
         return gen
 
-    def report(self, args, cfg, tokens, text, stats) -> dict:
+    def report(self, cfg, tokens, text, stats) -> dict:
+        run = self.run
         d = stats.to_dict()
         acc = d["acceptance"]
         return {
-            "mode": args.mode, "model": args.model, "draft": None if args.mode in ("autoregressive", "retrieval") else self.draft,
+            "mode": run.mode, "model": run.model, "draft": None if run.mode in ("autoregressive", "retrieval") else self.draft,
             "prompt_tokens": stats.prompt_tokens, "new_tokens": len(tokens), "tokens": tokens, "text": text,
             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
             "tokens_per_second": stats.tokens_per_second,
@@ -146,19 +158,19 @@ class Session:
             "bytes_moved": stats.bytes_moved,
             "offload": self._offload_timings(),
             "passes": d["passes"], "seconds": d["seconds"], "rebuilds": stats.rebuilds,
-            "settings": {"dtype": args.dtype, "device": str(self.device), "threads": torch.get_num_threads(),
+            "settings": {"dtype": run.dtype, "device": str(self.device), "threads": torch.get_num_threads(),
                          "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,
                          "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
                          "rope_scaling": self.config.rope_scaling, "tp": self.dist.world_size if self.dist else 1,
-                         "offload": args.offload, "lower_weights": args.lower_weights},
+                         "offload": run.offload, "lower_weights": run.lower_weights},
         }
 
     def _offload_timings(self):
         cache = getattr(self, "_last_full_cache", None)
         return cache.timings() if cache is not None else None
 
-    def print_stats(self, args, cfg, stats) -> None:
-        print_stats_table(Console(file=self.stdout), args.mode, stats, args.lower_weights)
+    def print_stats(self, stats) -> None:
+        print_stats_table(Console(file=self.stdout), self.run.mode, stats, self.run.lower_weights)
 
     def close(self) -> None:
         if self.dist:
@@ -201,27 +213,25 @@ def _fmt(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _setup_parallel(args):
+def _setup_parallel(run: RunConfig):
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp == 1 and world == 1:
+    if run.tp == 1 and world == 1:
         return None
-    from parallel import setup_tensor_parallel
-
-    return setup_tensor_parallel(args.tp, args.device)
+    return setup_tensor_parallel(run.tp, run.device)
 
 
-def check_flags(args) -> None:
+def check_flags(run: RunConfig) -> None:
     """Model flags argparse takes as any integer or string, refused before torch uses them."""
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be at least 1 (got {args.threads}); leave it out for torch's choice")
-    if args.offload_chunk < 1:
-        raise UserError(f"--offload-chunk must be a positive number of tokens (got {args.offload_chunk})")
-    onchip_layers(args)
+    if run.threads is not None and run.threads < 1:
+        raise UserError(f"--threads must be at least 1 (got {run.threads}); leave it out for torch's choice")
+    if run.offload_chunk < 1:
+        raise UserError(f"--offload-chunk must be a positive number of tokens (got {run.offload_chunk})")
+    onchip_layers(run)
 
 
-def onchip_layers(args) -> int | str:
+def onchip_layers(run: RunConfig) -> int | str:
     """--onchip-layers: 'auto' or a number of layers."""
-    value = args.onchip_layers
+    value = run.onchip_layers
     if value == "auto":
         return value
     try:
@@ -233,6 +243,6 @@ def onchip_layers(args) -> int | str:
     return layers
 
 
-def open_session(args, text: str | None) -> Session:
+def open_session(run: RunConfig, text: str | None) -> Session:
     """A session with its models loaded."""
-    return Session(args, text).load()
+    return Session(run, text).load()

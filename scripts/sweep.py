@@ -16,13 +16,15 @@ import itertools
 import json
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench import BOOK, TIE_ULPS, first_mismatch, logit_gap_ulps, run_system, wide  # noqa: E402
-from scripts.common import add_engine_args, add_model_args, generation_config, prefill_progress, read_text, run_cli  # noqa: E402
+from scripts.bench_report import wide  # noqa: E402
+from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,  # noqa: E402
+                            generation_config, prefill_progress, read_text, run_cli, run_config)
+from scripts.measure import TIE_ULPS, first_mismatch, logit_gap_ulps, run_system  # noqa: E402
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, UserError  # noqa: E402
 from model.quant import resolve_lower_weights, with_lower_weights  # noqa: E402
@@ -30,7 +32,21 @@ from model.quant import resolve_lower_weights, with_lower_weights  # noqa: E402
 LEVELS = ("draft", "middle", "verify")
 
 
-def parse_args(argv):
+@dataclass(frozen=True)
+class SweepPlan:
+    run: RunConfig  # loads the exact weights (lower weights 'same'): each setting derives its own proposers
+    prompt_file: str | None
+    modes: tuple[str, ...]
+    grid: dict  # budgets, gamma1s, gamma2s, chunk_sizes: the values to try ([None]: the run's own)
+    lowers: tuple[str, ...]  # the proposing levels' weights to try
+    temperatures: tuple  # None: the run's own
+    new_tokens: int
+    repeats: int
+    out: str | None
+    accept_ties: bool
+
+
+def parse_args(argv) -> SweepPlan:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_engine_args(p)
@@ -51,18 +67,22 @@ def parse_args(argv):
                    help=f"do not fail on a greedy mismatch at a logit tie (gap <= {TIE_ULPS} ulps of the dtype)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
-    args.max_new_tokens = args.new_tokens
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    args.grid = {name: _ints(getattr(args, name), name) for name in ("budgets", "gamma1s", "gamma2s", "chunk_sizes")}
-    args.lowers = [w.strip() for w in args.lower_weights_grid.split(",") if w.strip()] or [args.lower_weights]
-    args.lower_weights = "same"  # the session loads the exact weights; each setting derives its own proposers
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    grid = {name: _ints(getattr(args, name), name) for name in ("budgets", "gamma1s", "gamma2s", "chunk_sizes")}
+    lowers = tuple(w.strip() for w in args.lower_weights_grid.split(",") if w.strip()) or (args.lower_weights,)
+    run = run_config(args, max_new_tokens=args.new_tokens, lower_weights="same")
+    return SweepPlan(run, args.prompt_file, modes, grid, lowers, _temperatures(args.temperatures), args.new_tokens,
+                     args.repeats, args.out, args.accept_ties)
+
+
+def _temperatures(flag: str) -> tuple:
     try:
-        args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()] or [None]
+        temperatures = tuple(float(t) for t in flag.split(",") if t.strip()) or (None,)
     except ValueError:
-        raise UserError(f"--temperatures '{args.temperatures}' must be comma-separated numbers") from None
-    if any(t is not None and t < 0 for t in args.temperatures):
+        raise UserError(f"--temperatures '{flag}' must be comma-separated numbers") from None
+    if any(t is not None and t < 0 for t in temperatures):
         raise UserError("--temperatures must be >= 0 (0 is greedy)")
-    return args
+    return temperatures
 
 
 def _ints(text: str, name: str) -> list[int | None]:
@@ -73,16 +93,16 @@ def _ints(text: str, name: str) -> list[int | None]:
     return values or [None]
 
 
-def settings(args, base):
+def settings(plan: SweepPlan, base, lowers):
     """Every engine configuration of the grid, as (lower weights, mode, GenerationConfig)."""
-    for lower, temperature, mode, budget, g1, g2, chunk in itertools.product(args.lowers, args.temperatures, args.modes,
-                                                                             *args.grid.values()):
+    for lower, temperature, mode, budget, g1, g2, chunk in itertools.product(lowers, plan.temperatures, plan.modes,
+                                                                             *plan.grid.values()):
         cfg = replace(base, budget=budget or base.budget, gamma1=g1 or base.gamma1, gamma2=g2 or base.gamma2,
                       chunk_size=chunk or base.chunk_size,
                       temperature=base.temperature if temperature is None else temperature)
-        if mode == "retrieval" and g1 not in (None, args.grid["gamma1s"][0]):
+        if mode == "retrieval" and g1 not in (None, plan.grid["gamma1s"][0]):
             continue  # gamma1 plays no part without a drafter
-        if mode == "speculative" and (budget, chunk) != (args.grid["budgets"][0], args.grid["chunk_sizes"][0]):
+        if mode == "speculative" and (budget, chunk) != (plan.grid["budgets"][0], plan.grid["chunk_sizes"][0]):
             continue  # nor do the budget and chunk size without a retrieval level
         yield lower, mode, cfg
 
@@ -95,29 +115,28 @@ def timed(session, mode, cfg, prefilled, max_len, repeats, models=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    session = open_session(args, read_text(args.prompt_file or BOOK))
+    plan = parse_args(argv)
+    session = open_session(plan.run, read_text(plan.prompt_file or DEFAULT_PROMPT_FILE))
     prompt = session.prompt_ids
-    args.mode = "triforce"
-    base = generation_config(args, len(prompt), session.console)
-    max_len = len(prompt) + args.new_tokens
+    base = generation_config(replace(session.run, mode="triforce"), len(prompt), session.console)
+    max_len = len(prompt) + plan.new_tokens
     seed = Generator(session.loaded.models, base, "autoregressive", max_len=max_len)
     progress, advance = prefill_progress(session.console, len(prompt), f"prefill {len(prompt)}")
     with progress:
         seed.prefill(prompt, progress=advance)
     prefilled = seed.snapshot()
-    reference, ar_seconds, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
+    reference, ar_seconds, _ = timed(session, "autoregressive", base, prefilled, max_len, plan.repeats)
     rows, failed = [], False
-    args.lowers = [resolve_lower_weights(kind, session.device, session.dtype) for kind in args.lowers]
-    variants = {kind: with_lower_weights(session.loaded.models, kind) for kind in args.lowers}
-    for lower, mode, cfg in settings(args, base):
-        tokens, seconds, stats = timed(session, mode, cfg, prefilled, max_len, args.repeats, variants[lower])
-        _, ar_again, _ = timed(session, "autoregressive", base, prefilled, max_len, args.repeats)
+    lowers = [resolve_lower_weights(kind, session.device, session.dtype) for kind in plan.lowers]
+    variants = {kind: with_lower_weights(session.loaded.models, kind) for kind in lowers}
+    for lower, mode, cfg in settings(plan, base, lowers):
+        tokens, seconds, stats = timed(session, mode, cfg, prefilled, max_len, plan.repeats, variants[lower])
+        _, ar_again, _ = timed(session, "autoregressive", base, prefilled, max_len, plan.repeats)
         ar = statistics.median([ar_seconds, ar_again])
         at = first_mismatch(tokens, reference) if cfg.temperature == 0 else None
         same = None if cfg.temperature else at is None
         tie = at is not None and logit_gap_ulps(session, prefilled, reference, tokens, at) <= TIE_ULPS
-        failed |= same is False and not (tie and args.accept_ties)
+        failed |= same is False and not (tie and plan.accept_ties)
         d = stats.to_dict()
         rows.append({"mode": mode, "lower_weights": lower, "temperature": cfg.temperature, "top_p": cfg.top_p,
                      "budget": cfg.budget, "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1,
@@ -132,10 +151,10 @@ def main(argv=None) -> int:
                               f"{rows[-1]['speedup']:.2f}x[/]")
     import torch
 
-    print_rows(session.console, rows, f"{Path(args.model).name} ({args.dtype}), context {len(prompt)}, "
-                                      f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"context": len(prompt), "rows": rows}, indent=2))
+    print_rows(session.console, rows, f"{Path(plan.run.model).name} ({plan.run.dtype}), context {len(prompt)}, "
+                                      f"{plan.new_tokens} new tokens, {torch.get_num_threads()} threads")
+    if plan.out:
+        Path(plan.out).write_text(json.dumps({"context": len(prompt), "rows": rows}, indent=2))
     if failed:
         print("error: a greedy run differs from autoregressive decoding (see the 'same' column; '(tie)': at a "
               f"logit tie of <= {TIE_ULPS} ulps, rounding; --dtype float32 or --accept-ties)", file=sys.stderr)

@@ -1,11 +1,13 @@
 """The bench harness end to end on tiny random models: rows, JSON, greedy token equality, the plot."""
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from scripts import bench
+from scripts import bench, measure
+from scripts.hf_peers import HFSystems
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -108,10 +110,10 @@ def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
     from speculative import GenerationConfig
 
     target, _, book = models
-    args = bench.parse_args(["--model", str(target), "--draft", "self", "--prompt-file", str(book), "--contexts", "64",
+    plan = bench.parse_args(["--model", str(target), "--draft", "self", "--prompt-file", str(book), "--contexts", "64",
                              "--new-tokens", "10", "--threads", "1"])
-    session = open_session(args, book.read_text())
-    hf = bench.HFSystems(session, args, session.config)
+    session = open_session(plan.run, book.read_text())
+    hf = HFSystems(session, session.config)
     hf.prefill(session.prompt_ids[-64:])
     tokens, _, stats, margins = hf.run("hf-generate", 10, GenerationConfig(max_new_tokens=10), scores=True)
     assert len(tokens) == 10 and len(margins) == 9 and stats["full_passes"] == 9
@@ -123,15 +125,15 @@ def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
 def test_ties_are_gaps_of_a_few_ulps_of_the_dtype():
     import torch
 
-    assert bench.ulps_at(torch.tensor([20.0, -1.5, 0.7]), torch.bfloat16).tolist() == [0.125, 2 ** -7, 2 ** -8]
-    assert bench.ties_only({}) and bench.ties_only({13: [0.375, 3.0]}) and not bench.ties_only({13: [2.0, 16.0]})
+    assert measure.ulps_at(torch.tensor([20.0, -1.5, 0.7]), torch.bfloat16).tolist() == [0.125, 2 ** -7, 2 ** -8]
+    assert measure.ties_only({}) and measure.ties_only({13: [0.375, 3.0]}) and not measure.ties_only({13: [2.0, 16.0]})
 
 
 def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, models):
     """sweep.py: greedy rows match autoregressive; the logit-gap check is zero for the reference's own
     token and large for another token, and leaves the shared prefill as it found it."""
     from scripts import sweep
-    from scripts.bench import TIE_ULPS, logit_gap_ulps, run_system
+    from scripts.measure import TIE_ULPS, logit_gap_ulps, run_system
     from scripts.common import generation_config
     from scripts.session import open_session
     from speculative import Generator
@@ -145,11 +147,10 @@ def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, mo
     assert rc == 0 and len(rows) == 8 and all(r["same_tokens"] for r in rows)
     assert {(r["mode"], r["budget"], r["gamma2"]) for r in rows} >= {("retrieval", 32, 2), ("triforce", 64, 3)}
 
-    args = sweep.parse_args(["--model", str(target), "--draft", "self", "--context", "128", "--new-tokens", "10",
+    plan = sweep.parse_args(["--model", str(target), "--draft", "self", "--context", "128", "--new-tokens", "10",
                              "--threads", "1", "--budget", "32", "--chunk-size", "8"])
-    session = open_session(args, book.read_text())
-    args.mode = "autoregressive"
-    cfg = generation_config(args, len(session.prompt_ids))
+    session = open_session(plan.run, book.read_text())
+    cfg = generation_config(replace(session.run, mode="autoregressive"), len(session.prompt_ids))
     seed = Generator(session.loaded.models, cfg, "autoregressive", max_len=160)
     seed.prefill(session.prompt_ids)
     prefilled = seed.snapshot()

@@ -10,9 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from scripts import chat
+from parallel import TensorParallel
+from scripts import chat, chat_book
 from scripts.common import run_cli
 from speculative import Generator, kvfile
+
+from .conftest import save_tiny, save_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +27,10 @@ def book(tmp_path_factory):
 
 
 def make_args(folder, book, cache, *extra):
-    args = chat.parse_args(["--book", str(book), "--model", str(folder), "--draft", "self", "--max-new-tokens", "14",
+    opts = chat.parse_args(["--book", str(book), "--model", str(folder), "--draft", "self", "--max-new-tokens", "14",
                             "--room", "160", "--gamma1", "2", "--gamma2", "3", "--draft-window", "32",
                             "--cache-dir", str(cache), *extra])
-    args.dtype = "float64"  # not a command-line choice; exact comparisons need it
-    return args
+    return replace(opts, run=replace(opts.run, dtype="float64"))  # not a command-line choice; exact comparisons need it
 
 
 @pytest.fixture
@@ -221,10 +223,57 @@ def test_damaged_cache_is_rebuilt(start, tmp_path, capsys, where):
     assert "loaded the prefilled book" in capsys.readouterr().err  # rewritten whole
 
 
+def test_interrupted_prefill_resumes_from_checkpoints(start, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the middle of the book's prefill keeps the checkpoints written so far; the next start
+    says how much it resumes from, computes only the rest, and answers as an uninterrupted start does."""
+    reference = start("--no-cache", stops=frozenset()).ask("t5 t6").tokens
+    monkeypatch.setattr(chat_book, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every prefill piece
+    pieces = []
+    real_after = chat_book.kvfile.Checkpoints.after
+
+    def interrupt_after_two(self, n):
+        real_after(self, n)
+        pieces.append(n)
+        if len(pieces) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat_book.kvfile.Checkpoints, "after", interrupt_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        start("--prefill-chunk", "64", stops=frozenset())
+    monkeypatch.setattr(chat_book.kvfile.Checkpoints, "after", real_after)
+    assert len(list((tmp_path / "cache").glob("*.partial/*.safetensors"))) == 2
+    capsys.readouterr()
+    resumed = start("--prefill-chunk", "64", stops=frozenset())
+    err = " ".join(capsys.readouterr().err.split())
+    assert "resuming the prefill from a checkpoint: 128 of" in err and "128 more from checkpoints" in err
+    assert resumed.ask("t5 t6").tokens == reference
+    assert not list((tmp_path / "cache").glob("*.partial"))  # the saved file replaced the checkpoints
+    start("--prefill-chunk", "64")
+    assert "loaded the prefilled book" in capsys.readouterr().err
+
+
+def test_whole_book_past_the_trained_positions_gets_yarn(tmp_path, capsys):
+    """By default chat takes the whole book, stretching RoPE with YaRN (said once); only past what the
+    scaling supports (32x the trained positions) is it refused, naming the largest --context."""
+    folder = tmp_path / "short-model"
+    save_tiny(folder, seed=1, vocab=64, max_pos=64)
+    save_tokenizer(folder, vocab=64)
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"t{3 + i % 7}" for i in range(300)))
+    c = chat.start(make_args(folder, book, tmp_path / "cache"), interactive=False)
+    err = " ".join(capsys.readouterr().err.split())
+    assert c.book.kept == c.book.tokens == 300 and "applying YaRN RoPE scaling" in err
+    assert c.ask("t5").tokens
+    book.write_text(" ".join(f"t{3 + i % 7}" for i in range(64 * 32)))
+    assert run_cli(chat.main, ["--book", str(book), "--model", str(folder), "--room", "100"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "does not fit" in err and "2,048-token context" in err and re.search(r"--context 1\d\d\d to keep", err)
+
+
 def test_mismatched_cache_is_refused(start, tmp_path):
     c = start()
     [path] = (tmp_path / "cache").glob("*.safetensors")
-    key = chat.cache_key(c.session.args, c.session, c.book)
+    key = chat_book.cache_key(c.session, c.book)
     kvfile.load(path, c.gen, key, c.book.prompt)  # the right key loads
     with pytest.raises(kvfile.CacheInvalid, match="another model, book or setting"):
         kvfile.load(path, c.gen, {**key, "dtype": "bfloat16"}, c.book.prompt)
@@ -247,13 +296,13 @@ def test_bad_book_is_one_line(tiny_folder, tmp_path, capsys, content, message):
 def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
     path = tmp_path / "long.txt"
     path.write_text(" ".join(f"t{3 + i % 60}" for i in range(4500)))  # the tiny model takes 4096 positions
-    argv = ["--book", str(path), "--model", str(tiny_folder), "--room", "100"]
+    argv = ["--book", str(path), "--model", str(tiny_folder), "--room", "100", "--rope-scaling", "none"]
     assert run_cli(chat.main, argv) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "does not fit" in err and "--context 3900" in err
+    assert "does not fit" in err and "--context 3900" in err and "drop --rope-scaling none" in err
     args = chat.parse_args(argv + ["--context", "3900"])
     tok = chat.load_tokenizer(tiny_folder)
-    book = chat.prepare_book(args, tok, chat.Console(file=io.StringIO()), interactive=False)
+    book = chat_book.prepare_book(args, tok, chat.Console(file=io.StringIO()), interactive=False)
     ids = tok.encode(path.read_text(), add_special_tokens=False, split_special_tokens=True)
     head = len(book.fmt.markup(book.fmt.book_head))
     assert book.kept == 3900 and book.prompt[head:head + 3900] == ids[-3900:]
@@ -265,15 +314,15 @@ def test_chat_template_pieces(tiny_folder):
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    fmt = chat.ChatFormat(tok, "about t9")
+    fmt = chat_book.ChatFormat(tok, "about t9")
     assert fmt.templated and fmt.book_head == "<|im_start|>system\nabout t9\n\n" and fmt.book_tail == "<|im_end|>\n"
     assert fmt.turn_head == "<|im_start|>user\n" and fmt.turn_tail == "<|im_end|>\n<|im_start|>assistant\n"
     assert fmt.answer_end == "<|im_end|>\n"
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert end in chat.stop_ids(tok, fmt, str(tiny_folder))
+    assert end in chat_book.stop_ids(tok, fmt, str(tiny_folder))
     assert fmt.closing([5, end]) == [] and fmt.closing([5, 6]) == [end]  # "\n" is no token here
     assert fmt.encode("t5 <|im_end|>")[-1] != end  # user text never becomes a control token
-    assert not chat.ChatFormat(chat.load_tokenizer(tiny_folder), "x").templated  # no template: plain
+    assert not chat_book.ChatFormat(chat.load_tokenizer(tiny_folder), "x").templated  # no template: plain
 
 
 # ------------------------------------------------------------------------------------- TP input
@@ -287,9 +336,7 @@ def _share_worker(rank, port, out_dir):
         assert rank == 0, "only rank 0 reads the terminal"
         return next(lines)
 
-    from parallel import TensorParallel
-
-    group = TensorParallel(rank, 2, rank, "cpu", timeout=60, group=dist.group.WORLD)
+    group = TensorParallel(rank, 2, rank, "cpu", timeout=60.0, group=dist.group.WORLD)
     got = [group.share(read), group.share(read), group.all_agree(rank == 0), group.all_agree(True)]
     (out_dir / f"rank{rank}").write_text(repr(got))
     group.close()
@@ -317,10 +364,10 @@ SMOLLM = chat.Path(__file__).resolve().parents[1] / "models" / "smollm2-135m"
 def test_smollm2_chat_template_cache_and_lossless_turns(tmp_path, capsys):
     """SmolLM2's ChatML template, the answer ending at <|im_end|>, the saved cache, lossless turns."""
     book = chat.Path(__file__).resolve().parents[1] / "speculative" / "data" / "pride_and_prejudice_ch1-9.txt"
-    args = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
+    opts = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
                             "--max-new-tokens", "24", "--room", "200", "--budget", "256",
                             "--cache-dir", str(tmp_path)])
-    args.dtype = "float64"
+    args = replace(opts, run=replace(opts.run, dtype="float64"))
     first = chat.start(args, interactive=False)
     assert first.book.fmt.templated and first.book.fmt.answer_end == "<|im_end|>\n"
     im_end = first.tok.convert_tokens_to_ids("<|im_end|>")

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from scripts import chat, generate
-from scripts.common import generation_config, pick_device
+from parallel import resolve_device
+from scripts.common import generation_config
 from scripts.session import HOST_MEMORY_ENV, check_flags, host_available_bytes
 from speculative import UserError
 
@@ -120,17 +121,17 @@ def test_bad_input(inputs, front, case):
 ])
 def test_model_flags_refused_before_torch_uses_them(flags, words):
     with pytest.raises(UserError, match=words):
-        check_flags(generate.parse_args(["--prompt", "t3", *flags]))
+        check_flags(generate.parse_args(["--prompt", "t3", *flags]).run)
 
 
 def test_unknown_device_is_named():
     with pytest.raises(UserError, match="--device tpu not understood: use cpu, cuda"):
-        pick_device("tpu")
+        resolve_device("tpu")
 
 
 def test_chunk_size_zero_is_named_not_a_division_by_zero():
     with pytest.raises(UserError, match="chunk size must be > 0"):
-        generation_config(generate.parse_args(["--prompt", "t3", "--chunk-size", "0"]), prompt_len=300)
+        generation_config(generate.parse_args(["--prompt", "t3", "--chunk-size", "0"]).run, prompt_len=300)
 
 
 def test_memory_override(monkeypatch):
