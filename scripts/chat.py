@@ -72,7 +72,7 @@ def parse_args(argv) -> ChatOptions:
         raise UserError(f"--room must be a positive number of tokens (got {args.room})")
     if args.context is not None and args.context < 1:
         raise UserError(f"--context must be positive (got {args.context})")
-    return ChatOptions(run_config(args), args.book, args.room, args.cache_dir, args.no_cache, args.show_levels)
+    return ChatOptions(run_config(args, sampling="checkpoint"), args.book, args.room, args.cache_dir, args.no_cache, args.show_levels)
 
 
 # ------------------------------------------------------------------------------- conversation

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
+from . import defaults
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -23,9 +25,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format checkpoint folder (default: %(default)s)")
     g.add_argument("--draft", default=None, help="drafter folder, or 'self' for the target's own weights "
                    "with a StreamingLLM cache (default: the model's natural drafter)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto (default): bfloat16 on a GPU and on a CPU that computes it natively (avx512_bf16, "
+                        "AMX), else float32")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: the cores the last minute's load leaves free, at least 1)")
     g.add_argument("--rope-scaling", default="auto",
                    help="auto (YaRN when the context exceeds trained positions), none, yarn:F or linear:F")
     g.add_argument("--context", type=int, default=None, help="keep the last N tokens of the prompt")
@@ -45,9 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--mode", default="triforce", choices=["autoregressive", "speculative", "retrieval", "triforce"])
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the checkpoint's generation_config.json, greedy if it has none)")
+    g.add_argument("--top-p", type=float, default=None, help="(default: the checkpoint's, else 1: off)")
+    g.add_argument("--top-k", type=int, default=None, help="(default: the checkpoint's, else 0: off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--budget", type=int, default=None, help="retrieval cache tokens (default: on CPU a quarter of the context, 1,024 to 8,192; on GPU 4,096)")
     g.add_argument("--chunk-size", type=int, default=32, help="tokens per retrieval chunk (scored by their mean key)")
@@ -98,10 +104,17 @@ class RunConfig:
     prefill_chunk: int
 
 
-def run_config(args: argparse.Namespace, **derived) -> RunConfig:
+def run_config(args: argparse.Namespace, sampling: str = "greedy", **derived) -> RunConfig:
     """The run configuration of parsed flags; `derived` holds the values a front end computes
-    instead of taking them as given (bench.py's --new-tokens is the number of new tokens)."""
+    instead of taking them as given (bench.py's --new-tokens is the number of new tokens).
+
+    sampling: what fills --temperature / --top-p / --top-k left out: "checkpoint" (generate, chat:
+    the model's own generation settings) or "greedy" (measuring tools compare engines token for token)."""
     given = {f.name: getattr(args, f.name) for f in fields(RunConfig)}
+    chosen = defaults.checkpoint_sampling(args.model) if sampling == "checkpoint" else {"temperature": 0.0}
+    for name, fallback in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
+        if given[name] is None:
+            given[name] = chosen.get(name, fallback)
     return RunConfig(**{**given, **derived})
 
 

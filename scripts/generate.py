@@ -39,7 +39,7 @@ def parse_args(argv) -> GenerateOptions:
     args = p.parse_args(argv)
     embedded = args.prompt is None and args.prompt_file is None  # the book prefix: its last 4,096 tokens
     context = 4096 if embedded and args.context is None else args.context
-    return GenerateOptions(run_config(args, context=context), args.prompt,
+    return GenerateOptions(run_config(args, sampling="checkpoint", context=context), args.prompt,
                            str(DEFAULT_PROMPT_FILE) if embedded else args.prompt_file, args.json)
 
 

