@@ -66,7 +66,10 @@ DEFAULT_SYSTEMS = ",".join(OURS + HF)
 # --quick: a few minutes on a loaded 2-core CPU. 1,024 tokens is the shortest context the retrieval
 # level still has chunks to choose from (default budget 512); our baseline, our full engine and
 # transformers' generate(), the peer every user has, each decoding 16 tokens once after a warm-up.
-QUICK = {"contexts": "1024", "new_tokens": 16, "repeats": 1, "systems": "autoregressive,triforce,hf-generate"}
+# One torch thread unless --threads: on a loaded 2-core machine two OpenMP threads wait on each other's
+# time slices (SmolLM2, load 5: 305 s with 2 threads, 52 s with 1).
+QUICK = {"contexts": "1024", "new_tokens": 16, "repeats": 1, "systems": "autoregressive,triforce,hf-generate",
+         "threads": 1}
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ def parse_args(argv) -> BenchPlan:
     p.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(OURS + HF)} (default: all)")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes on 2 CPU cores: context {QUICK['contexts']}, {QUICK['new_tokens']} tokens, "
-                        f"{QUICK['repeats']} repeat, systems {QUICK['systems']} (unless --systems)")
+                        f"{QUICK['repeats']} repeat, systems {QUICK['systems']} (unless --systems), 1 torch thread "
+                        "(unless --threads)")
     p.add_argument("--out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="PNG of tokens/s: against context with several contexts (default: "
                    "--out with .png, else bench.png), a bar per system with one (made when --plot or --out is given)")
@@ -112,7 +116,8 @@ def parse_args(argv) -> BenchPlan:
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1 (got {repeats})")
     contexts, systems = _contexts(contexts), _systems(systems_flag)
-    run = run_config(args, max_new_tokens=new_tokens, context=max(contexts))
+    threads = QUICK["threads"] if args.quick and args.threads is None else args.threads
+    run = run_config(args, max_new_tokens=new_tokens, context=max(contexts), threads=threads)
     return BenchPlan(run, contexts, systems, new_tokens, repeats, args.prompt_file, args.out, args.plot,
                      args.accept_ties, args.quick)
 
@@ -325,7 +330,8 @@ def main(argv=None) -> int:
     plan = parse_args(argv)
     if plan.quick:
         print(f"--quick: context {', '.join(map(str, plan.contexts))}, {plan.new_tokens} new tokens, {plan.repeats} "
-              f"repeat after a warm-up; systems {', '.join(plan.systems)}", file=sys.stderr)
+              f"repeat after a warm-up; systems {', '.join(plan.systems)}; {plan.run.threads} torch thread(s)",
+              file=sys.stderr)
     rows, session = [], None
     for session, new_rows in bench_groups(plan, read_text(plan.prompt_file or BOOK)):
         rows += new_rows

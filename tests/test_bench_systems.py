@@ -165,7 +165,8 @@ def test_quick_says_what_it_runs(tiny):
     target, _ = tiny
     plan = bench.parse_args(["--model", str(target), "--quick"])
     assert (plan.contexts, plan.new_tokens, plan.repeats) == ((1024,), 16, 1)
-    assert plan.systems == ("autoregressive", "triforce", "hf-generate") and plan.quick
+    assert plan.systems == ("autoregressive", "triforce", "hf-generate") and plan.quick and plan.run.threads == 1
+    assert bench.parse_args(["--model", str(target), "--quick", "--threads", "2"]).run.threads == 2
     assert bench.parse_args(["--model", str(target), "--quick", "--systems", "hf-static"]).systems == ("hf-static",)
     assert set(bench.parse_args(["--model", str(target)]).systems) == set(OURS + bench.HF)
 
