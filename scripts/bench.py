@@ -2,10 +2,17 @@
 """Side-by-side decoding benchmark: every engine on the same model, prompt, context, dtype, threads.
 
 Systems: our four engines (autoregressive, speculative, retrieval, triforce) and the ones users
-would pick instead: Hugging Face transformers `generate()` (greedy, its default DynamicCache) and
-transformers assisted generation (`assistant_model=` the same drafter, HF's default settings:
-20 assistant tokens, confidence threshold 0.4). With `--draft self` there is no separate drafter
-to hand to transformers, so that row says so instead of a number.
+would pick instead: Hugging Face transformers `generate()` (greedy, its default DynamicCache; `hf-static`:
+its static cache, the decode step compiled on CUDA as transformers does for it, compiled before the
+clock; `hf-offloaded`: its offloaded cache, CUDA only, else n/a with the reason) and transformers
+assisted generation (`assistant_model=` the same drafter, HF's default settings: 20 assistant tokens,
+confidence threshold 0.4). With `--draft self` there is no separate drafter to hand to transformers,
+so that row says so instead of a number.
+
+Our engines run exactly as generate.py runs them for the same flags: each mode with its own
+defaults (budget, gammas: scripts.common.generation_config of that mode), each built by
+Session.generator (offloaded full cache, --cuda-graphs); one generator per system serves all its
+repetitions, so the warm-up captures what later runs replay.
 
 The prompt is prefilled once per context length and shared by our engines (decoding only writes
 after it); transformers gets its own prefill of the same token ids, copied per run (and so does its
@@ -22,11 +29,14 @@ EOS does not stop any system (transformers runs with eos_token_id unset), so all
 RoPE: each context gets the scaling it needs (--rope-scaling auto: YaRN when context + new tokens
 exceeds the trained positions); contexts needing different scalings are run with the models reloaded.
 
-Columns: decode tokens/s; speedup vs our autoregressive and vs transformers generate(); acceptance
-per level; tokens per full-cache pass; bytes per token: read (modelled: weights + the KV each pass
-reads, from the pass counts) and moved (measured host->device copies, with --offload host).
+Two tables, each within 100 columns. Throughput: decode tokens/s; speedup vs our autoregressive and
+vs transformers generate(); tokens per full-cache pass; same tokens. Levels: acceptance per level;
+milliseconds per pass of each level; bytes per token: read (modelled: weights + the KV each pass
+reads, from the pass counts) and moved (measured host->device copies, with --offload host); with
+--offload host the link floor of a full pass (KV it streamed / pinned host->device bandwidth
+measured in this run; n/a on CPU).
 
-    python scripts/bench.py --quick
+    python scripts/bench.py --quick           # 1K context, 16 tokens, 1 repeat: AR, triforce, hf-generate
     python scripts/bench.py --contexts 4096,16384,32768 --new-tokens 128 --out bench.json   # + bench.png
     python scripts/bench.py --model models/qwen2.5-coder-1.5b --contexts 4096,16384 --dtype bfloat16
 """
@@ -43,17 +53,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args, generation_config,  # noqa: E402
-                            prefill_progress, read_text, resolve_rope, run_cli, run_config)
+                            read_text, resolve_rope, run_cli, run_config)
 from scripts.bench_report import hardware, hardware_line, plot, print_table, wide  # noqa: E402
-from scripts.hf_peers import HFSystems  # noqa: E402
-from scripts.measure import (OURS, TIE_ULPS, first_mismatch, logit_gap_ulps, prefill_cache_factory,  # noqa: E402
-                             run_system, ties_only)
+from scripts.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems  # noqa: E402
+from scripts.measure import (OURS, TIE_ULPS, build_system, first_mismatch, level_ms_per_pass, link_floor,  # noqa: E402
+                             logit_gap_ulps, seed_config, shared_prefill, ties_only, timed_run)
 from scripts.session import open_session  # noqa: E402
-from speculative import Generator, ModelConfig, UserError  # noqa: E402
+from speculative import ModelConfig, UserError  # noqa: E402
 
 BOOK = DEFAULT_PROMPT_FILE
-HF = ("hf-generate", "hf-assisted")
 DEFAULT_SYSTEMS = ",".join(OURS + HF)
+# --quick: a few minutes on a loaded 2-core CPU. 1,024 tokens is the shortest context the retrieval
+# level still has chunks to choose from (default budget 512); our baseline, our full engine and
+# transformers' generate(), the peer every user has, each decoding 16 tokens once after a warm-up.
+# One torch thread unless --threads: on a loaded 2-core machine two OpenMP threads wait on each other's
+# time slices (SmolLM2, load 5: 305 s with 2 threads, 52 s with 1).
+QUICK = {"contexts": "1024", "new_tokens": 16, "repeats": 1, "systems": "autoregressive,triforce,hf-generate",
+         "threads": 1}
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,7 @@ class BenchPlan:
     out: str | None
     plot: str | None
     accept_ties: bool
+    quick: bool = False
 
 
 def parse_args(argv) -> BenchPlan:
@@ -77,26 +94,32 @@ def parse_args(argv) -> BenchPlan:
     p.add_argument("--contexts", default="4096", help="comma-separated context lengths")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(OURS + HF)}")
-    p.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores: 2K context, 32 tokens, 1 repeat")
+    p.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(OURS + HF)} (default: all)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a few minutes on 2 CPU cores: context {QUICK['contexts']}, {QUICK['new_tokens']} tokens, "
+                        f"{QUICK['repeats']} repeat, systems {QUICK['systems']} (unless --systems), 1 torch thread "
+                        "(unless --threads)")
     p.add_argument("--out", default=None, help="write results as JSON")
-    p.add_argument("--plot", default=None, help="PNG of tokens/s against context (several contexts; default: "
-                   "--out with .png, else bench.png)")
+    p.add_argument("--plot", default=None, help="PNG of tokens/s: against context with several contexts (default: "
+                   "--out with .png, else bench.png), a bar per system with one (made when --plot or --out is given)")
     p.add_argument("--accept-ties", action="store_true",
                    help="do not fail on a transformers run whose tokens diverge only at logit ties (fed our tokens, it "
                         f"ranks each first or within {TIE_ULPS} units in the last place of the dtype of its top logit); "
                         "still shown as NO in the table")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
-    contexts, new_tokens, repeats = ("2048", 32, 1) if args.quick else (args.contexts, args.new_tokens, args.repeats)
+    contexts, new_tokens, repeats = ((QUICK["contexts"], QUICK["new_tokens"], QUICK["repeats"]) if args.quick
+                                     else (args.contexts, args.new_tokens, args.repeats))
+    systems_flag = args.systems or (QUICK["systems"] if args.quick else DEFAULT_SYSTEMS)
     if new_tokens < 2:
         raise UserError(f"--new-tokens must be at least 2 (got {new_tokens}): the first comes from prefill")
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1 (got {repeats})")
-    contexts, systems = _contexts(contexts), _systems(args.systems)
-    run = run_config(args, max_new_tokens=new_tokens, context=max(contexts))
+    contexts, systems = _contexts(contexts), _systems(systems_flag)
+    threads = QUICK["threads"] if args.quick and args.threads is None else args.threads
+    run = run_config(args, max_new_tokens=new_tokens, context=max(contexts), threads=threads)
     return BenchPlan(run, contexts, systems, new_tokens, repeats, args.prompt_file, args.out, args.plot,
-                     args.accept_ties)
+                     args.accept_ties, args.quick)
 
 
 def _contexts(flag: str) -> tuple[int, ...]:
@@ -146,70 +169,105 @@ class Traffic:
         return passes.get("verify", 0) * self.full + passes.get("middle", 0) * self.middle + passes.get("draft", 0) * self.draft
 
 
+def system_configs(run: RunConfig, systems, prompt_len: int, console=None) -> dict:
+    """{mode: GenerationConfig} of our systems, each from its own mode's defaults as generate.py
+    resolves them (the budget comes out the same for every mode that retrieves); the budget note
+    is said once."""
+    cfgs = {}
+    for mode in [s for s in systems if s in OURS]:
+        cfgs[mode] = generation_config(replace(run, mode=mode), prompt_len, None if cfgs else console)
+    return cfgs
+
+
 def bench_context(session, plan: BenchPlan, ids, context, hf=None, hf_skip=None):
     """Rows for one context: every system decodes from one prefill of the prompt's last `context` tokens."""
-    hf_skip = hf_skip or {}
+    hf_skip = dict(hf_skip or {})
     prompt = ids[-context:]
-    # budgets/gammas resolved for the richest mode, used by all
-    cfg = generation_config(replace(session.run, mode="triforce"), len(prompt), session.console)
     max_len = len(prompt) + plan.new_tokens
-    seed_gen = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len,
-                         full_cache_factory=prefill_cache_factory(session, cfg))
-    progress, advance = prefill_progress(session.console, len(prompt), f"prefill {context}")
-    with progress:
-        seed_gen.prefill(prompt, progress=advance)
-    prefilled = seed_gen.snapshot()
-    systems = [s for s in plan.systems if s in OURS or (hf is not None and s in HF and s not in hf_skip)]
+    cfgs = system_configs(session.run, plan.systems, len(prompt), session.console)
+    # transformers' systems sample (or not) as ours do: the autoregressive mode's settings
+    base = generation_config(replace(session.run, mode="autoregressive"), len(prompt))
+    prefilled = shared_prefill(session, cfgs, prompt, max_len, f"prefill {context}") if cfgs else None
     hf_prefill = None
-    if hf is not None and any(s in HF for s in systems):
+    if hf is not None and any(s in HF and s not in hf_skip for s in plan.systems):
         with session.console.status(f"transformers prefill {context}"):
             hf_prefill, _ = hf.prefill(prompt)
-    results = time_systems(session, plan, systems, cfg, prefilled, max_len, hf, context)
+            for s in plan.systems:
+                if s in CACHE_OF and s not in hf_skip:
+                    why = hf.prefill_cache(s, plan.new_tokens)
+                    if why:
+                        hf_skip[s] = why
+    systems = [s for s in plan.systems if s in OURS or (hf is not None and s in HF and s not in hf_skip)]
+    results = time_systems(session, plan, systems, cfgs, base, prefilled, max_len, hf, context)
     reference = results.get("autoregressive", {}).get("tokens")
     drafter_cfg = session.loaded.models.drafter.cfg if session.loaded.models.drafter is not None else session.config
     elem = 2 if str(session.dtype).endswith(("bfloat16", "float16")) else 4
-    traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), plan.new_tokens, cfg,
+    traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), plan.new_tokens, seed_config(cfgs or {"-": base}),
                       lower_elem=1 if session.run.lower_weights == "int8" else elem)
-    rows = []
-    for mode in systems:
-        r = results[mode]
-        seconds = statistics.median(r["times"])
-        stats = r["stats"]
-        decode = len(r["tokens"]) - 1
-        same = None if reference is None or cfg.temperature > 0 else r["tokens"] == reference
-        row = {
-            "context": context, "system": mode, "new_tokens": len(r["tokens"]),
-            "tokens_per_second": decode / seconds, "seconds_median": seconds, "seconds_all": r["times"],
-            "acceptance": stats["acceptance"], "tokens_per_full_pass": stats["tokens_per_full_pass"],
-            "passes": stats["passes"], "bytes_read_per_token": bytes_read(mode, stats, traffic) / max(decode, 1),
-            "bytes_moved_per_token": None if stats.get("bytes_moved") is None else stats["bytes_moved"] / max(decode, 1),
-            "prefill_seconds": hf_prefill if mode in HF else prefilled.prefill_seconds,
-            "same_tokens": same, "budget": cfg.budget, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
-            "rope_scaling": session.config.rope_scaling,
-            "seconds": stats["seconds"] if mode in OURS else None,
-        }
-        if same is False:
-            row.update(mismatch(session, prefilled, hf, mode, r, reference))
-        rows.append(row)
+    rows = [system_row(session, mode, results[mode], cfgs.get(mode, base), context, traffic, reference,
+                       hf_prefill if mode in HF else prefilled.prefill_seconds)
+            for mode in systems]
+    for row in rows:
+        if row["same_tokens"] is False:
+            row.update(mismatch(session, prefilled, hf, row["system"], results[row["system"]], reference))
     for mode in plan.systems:
         if mode in HF and (hf is None or mode in hf_skip):
             rows.append({"context": context, "system": mode, "tokens_per_second": None, "same_tokens": None,
                          "skipped": hf_skip.get(mode, "transformers systems not run")})
     add_speedups(rows)
-    return rows, cfg
+    return rows, cfgs
 
 
-def time_systems(session, plan: BenchPlan, systems, cfg, prefilled, max_len, hf, context) -> dict:
+def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill_seconds) -> dict:
+    """One system's row: its median decode speed, what it read and moved, per-level times."""
+    seconds = statistics.median(r["times"])
+    stats = r["stats"]
+    decode = len(r["tokens"]) - 1
+    same = None if reference is None or cfg.temperature > 0 else r["tokens"] == reference
+    row = {
+        "context": context, "system": mode, "new_tokens": len(r["tokens"]),
+        "tokens_per_second": decode / seconds, "seconds_median": seconds, "seconds_all": r["times"],
+        "acceptance": stats["acceptance"], "tokens_per_full_pass": stats["tokens_per_full_pass"],
+        "passes": stats["passes"], "bytes_read_per_token": bytes_read(mode, stats, traffic) / max(decode, 1),
+        "bytes_moved_per_token": None if stats.get("bytes_moved") is None else stats["bytes_moved"] / max(decode, 1),
+        "prefill_seconds": prefill_seconds,
+        "same_tokens": same, "budget": cfg.budget, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
+        "rope_scaling": session.config.rope_scaling,
+        "seconds": stats["seconds"] if mode in OURS else None,
+        "ms_per_pass": ms_per_pass(mode, stats, seconds),
+        "link_floor": link_floor(stats, session.device) if mode in OURS else None,
+    }
+    return row
+
+
+def ms_per_pass(mode: str, stats: dict, seconds: float) -> dict:
+    """{level: ms per pass}: ours from the per-level clocks; transformers' single-model systems the
+    whole decode over their forward passes (assisted generation's two models are not timed apart)."""
+    if mode in OURS:
+        return level_ms_per_pass(stats)
+    passes = stats["passes"]["verify"]
+    return {"verify": 1e3 * seconds / passes} if passes and mode != "hf-assisted" else {}
+
+
+def system_generators(session, cfgs: dict, prefilled, max_len: int) -> dict:
+    """{mode: Generator} of our systems, built once per context through Session.generator."""
+    return {mode: build_system(session, mode, cfg, prefilled, max_len) for mode, cfg in cfgs.items()}
+
+
+def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_len, hf, context) -> dict:
     """{system: its tokens (from the warm-up), top-2 margins (transformers), times and stats}, the
     repetitions alternating between systems so that drift hits all alike."""
     results = {s: {"times": [], "stats": None, "tokens": None, "margins": None} for s in systems}
+    gens = system_generators(session, cfgs, prefilled, max_len)
     for rep in range(plan.repeats + 1):  # repetition 0 is the warm-up
         for mode in systems:
-            if mode in HF:
-                tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, cfg, scores=rep == 0)
-            else:
-                tokens, seconds, stats = run_system(session, mode, cfg, prefilled, max_len)
-                stats, margins = stats.to_dict(), None
+            warmups = hf.warmups(mode) if rep == 0 and mode in HF else 1
+            for _ in range(warmups):
+                if mode in HF:
+                    tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, base, scores=rep == 0)
+                else:
+                    tokens, seconds, stats = timed_run(gens[mode], prefilled)
+                    stats, margins = stats.to_dict(), None
             session.console.print(f"  [dim]{context} {'warm-up' if rep == 0 else f'rep {rep}'} {mode}: "
                                   f"{(len(tokens) - 1) / seconds:.2f} tok/s[/]")
             if rep == 0:
@@ -221,10 +279,10 @@ def time_systems(session, plan: BenchPlan, systems, cfg, prefilled, max_len, hf,
 
 
 def bytes_read(mode: str, stats: dict, traffic: Traffic) -> float:
-    if mode == "hf-generate":
-        return stats["full_passes"] * traffic.full
     if mode == "hf-assisted":
         return stats["full_passes"] * traffic.full + stats["passes"]["draft"] * traffic.assistant_full
+    if mode in HF:
+        return stats["full_passes"] * traffic.full
     return traffic.ours(stats["passes"])
 
 
@@ -270,6 +328,10 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     plan = parse_args(argv)
+    if plan.quick:
+        print(f"--quick: context {', '.join(map(str, plan.contexts))}, {plan.new_tokens} new tokens, {plan.repeats} "
+              f"repeat after a warm-up; systems {', '.join(plan.systems)}; {plan.run.threads} torch thread(s)",
+              file=sys.stderr)
     rows, session = [], None
     for session, new_rows in bench_groups(plan, read_text(plan.prompt_file or BOOK)):
         rows += new_rows
@@ -277,7 +339,8 @@ def main(argv=None) -> int:
     hw = hardware()
     line = hardware_line(hw, run.device)
     out_console = wide(Console())
-    print_table(out_console, rows, title=f"decode throughput, side by side — {Path(run.model).name}, {run.dtype}; {line}")
+    out_console.print(f"{Path(run.model).name}, {run.dtype}, {plan.new_tokens} new tokens; {line}", width=100)
+    print_table(out_console, rows)
     for message in write_results(plan, run, session.draft, rows, hw, line):
         print(message)
     session.close()
@@ -325,13 +388,14 @@ def transformers_peers(session, plan: BenchPlan):
 
 
 def write_results(plan: BenchPlan, run: RunConfig, draft: str, rows, hw: dict, line: str) -> list[str]:
-    """Write the JSON (--out) and the plot (several contexts); the lines saying where they are."""
+    """Write the JSON (--out) and the plot (always with several contexts; with one, a bar per system
+    when --plot or --out asks for it); the lines saying where they are."""
     messages = []
     several = len({r["context"] for r in rows}) > 1
     if plan.out:
         Path(plan.out).write_text(json.dumps(report(plan, run, draft, rows, hw, line), indent=2))
         messages.append(f"results: {plan.out}")
-    if several:
+    if several or plan.plot or plan.out:
         path = Path(plan.plot) if plan.plot else (Path(plan.out).with_suffix(".png") if plan.out else Path("bench.png"))
         messages.append(plot(rows, path, f"{Path(run.model).name} ({run.dtype}, greedy={run.temperature == 0}): "
                                          f"{line}"))
@@ -353,6 +417,10 @@ def report(plan: BenchPlan, run: RunConfig, draft: str, rows, hw: dict, line: st
             "notes": {"bytes_read_per_token": "modelled: weights (int8 proposers: 1 byte each) + KV each pass reads, "
                                               "from counted passes",
                       "bytes_moved_per_token": "measured host->device copies (--offload host only)",
+                      "ms_per_pass": "ours: each level's clock over its passes; transformers: decode time over forward "
+                                     "passes (not for assisted generation)",
+                      "link_floor": "--offload host: KV streamed per full pass (measured) / pinned host->device "
+                                    "bandwidth measured in this run (CUDA; n/a on CPU)",
                       "timing": "decode only (first token from prefill), median over repetitions after a warm-up"}}
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,  # noqa: E402
-                            generation_config, prefill_progress, read_text, run_cli, run_config)
+                            generation_config, read_text, run_cli, run_config)
 
 NOT_INCLUDED = ("not included: ZeRO-Inference's KV-cache offload with CPU attention (it only lived in a fork of "
                 "transformers and never reached a release); DeepSpeed keeps transformers' KV cache on its device, "
@@ -161,10 +161,11 @@ def compare(plan: ComparePlan) -> dict:
 
     from scripts.bench_report import wide
     from scripts.hf_peers import HFSystems
-    from scripts.measure import first_mismatch, prefill_cache_factory, run_system, ties_only
+    from scripts.bench import system_configs
+    from scripts.measure import build_system, first_mismatch, shared_prefill, ties_only, timed_run
     from parallel import resolve_device
     from scripts.session import open_session
-    from speculative import Generator, UserError
+    from speculative import UserError
     from speculative.engine import synchronize
 
     run = plan.run
@@ -196,14 +197,12 @@ def compare(plan: ComparePlan) -> dict:
     hw_line, hw = hardware_summary(device)
     wide(console).print(f"[bold]hardware:[/] {hw_line}")
 
-    cfg = generation_config(replace(session.run, mode="triforce"), len(prompt), console)
+    # each of our modes with its own defaults, built as generate.py builds it (as bench.py does)
+    cfgs = system_configs(session.run, plan.modes, len(prompt), console)
+    cfg = cfgs.get("triforce") or generation_config(replace(session.run, mode="triforce"), len(prompt))
     max_len = len(prompt) + plan.new_tokens
-    seed = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len,
-                     full_cache_factory=prefill_cache_factory(session, cfg))
-    progress, advance = prefill_progress(console, len(prompt), "prefill (ours)")
-    with progress:
-        seed.prefill(prompt, progress=advance)
-    prefilled = seed.snapshot()
+    prefilled = shared_prefill(session, cfgs, prompt, max_len, "prefill (ours)") if cfgs else None
+    gens = {m: build_system(session, m, c, prefilled, max_len) for m, c in cfgs.items()}
     with console.status("prefill (DeepSpeed)"):
         ds_prefill, _ = ds.prefill(prompt)
 
@@ -216,7 +215,7 @@ def compare(plan: ComparePlan) -> dict:
                 if rep == 0:
                     res[s]["margins"] = margins
             else:
-                tokens, seconds, _ = run_system(session, s, cfg, prefilled, max_len)
+                tokens, seconds, _ = timed_run(gens[s], prefilled)
             if rep == 0:
                 res[s]["tokens"] = tokens
             else:

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         out.write(json.dumps(session.report(cfg, tokens, text_out, stats)) + "\n")
     else:
         out.write(text_out[shown:] + "\n")
-        session.print_stats(stats)
+        session.print_stats(stats, cfg)
     session.close()
     return 0
 

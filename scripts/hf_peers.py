@@ -1,7 +1,10 @@
 """The transformers peers of our engines, for bench.py and compare_deepspeed.py: Hugging Face
-`generate()` (greedy, its default DynamicCache) and assisted generation (`assistant_model=` the same
-drafter, HF's default settings), timed the way our engines are: decoding only, from a prefill of the
-same token ids that is copied per run."""
+`generate()` (greedy, its default DynamicCache), the same with its static cache (`hf-static`: on CUDA
+transformers compiles the decode step for it, as generate() does by itself for a static cache) and
+with its offloaded cache (`hf-offloaded`: KV kept in host memory, prefetched layer by layer; it needs
+CUDA streams), and assisted generation (`assistant_model=` the same drafter, HF's default settings),
+timed the way our engines are: decoding only, from a prefill of the same token ids that each run
+starts from (a copy of it, or the static cache rewound to it)."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +13,11 @@ import time
 from scripts.measure import ulps_at
 from speculative import ModelConfig
 from speculative.engine import synchronize
+
+
+SYSTEMS = ("hf-generate", "hf-assisted", "hf-static", "hf-offloaded")
+CACHE_OF = {"hf-static": "static", "hf-offloaded": "offloaded"}  # cache_implementation of each, when not dynamic
+COMPILED_WARMUPS = 3  # compile, then the CUDA-graph recordings of the compiled step, all before the clock
 
 
 class HFSystems:
@@ -37,7 +45,7 @@ class HFSystems:
             if m is not None:
                 m.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=None, bos_token_id=None)
         self.calls = {"target": 0, "assistant": 0, "drafted": 0}
-        self.target.register_forward_hook(lambda *a: self._count("target"))
+        self._hook = self.target.register_forward_hook(lambda *a: self._count("target"))
         if self.assistant is not None:
             self.assistant.register_forward_hook(lambda *a: self._count("assistant"))
             self._pending_cache = None
@@ -53,6 +61,7 @@ class HFSystems:
 
             self.assistant.generate = generate_with_prompt_cache
         self.prompt_cache = self.assistant_cache = None
+        self.caches: dict = {}  # system -> its own prefilled cache (hf-static, hf-offloaded)
 
     def _count(self, key):
         self.calls[key] += 1
@@ -70,11 +79,11 @@ class HFSystems:
         model = auto.from_pretrained(folder, config=cfg, dtype=dtype)
         return (model.to(self.device) if to_device else model).eval().requires_grad_(False)
 
-    def _prefill(self, model, prompt: list[int]):
+    def _prefill(self, model, prompt: list[int], cache=None):
         from transformers import DynamicCache
 
         torch = self.torch
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config) if cache is None else cache
         chunk = max(self.prefill_chunk, 512)
         with torch.no_grad():
             for i in range(0, len(prompt), chunk):
@@ -93,6 +102,46 @@ class HFSystems:
         self.first_logits = logits.float()
         self.first = int(logits.argmax())
         return time.perf_counter() - start, self.first
+
+    def prefill_cache(self, system: str, n_tokens: int) -> str | None:
+        """Prefill the prompt into the cache `system` decodes with (after prefill()); returns why the
+        system cannot run here (a line for the table) or None. hf-static gets a StaticCache sized for
+        the prompt and `n_tokens`; hf-offloaded a DynamicCache with offloading, which transformers
+        only supports on CUDA: anything it raises is the reason."""
+        from transformers import DynamicCache, StaticCache
+
+        if system == "hf-static":
+            cache = StaticCache(config=self.target.config, max_cache_len=len(self.prompt) + n_tokens)
+            if any(type(layer).__name__ != "StaticLayer" for layer in cache.layers):
+                return "n/a: sliding-window layers cannot be rewound to the prompt"
+        else:
+            cache = DynamicCache(config=self.target.config, offloading=True)
+        try:
+            self._prefill(self.target, self.prompt, cache)
+        except Exception as e:  # e.g. on CPU: "Torch not compiled with CUDA enabled"
+            return f"n/a on {self.device.type}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        self.caches[system] = cache
+        return None
+
+    def warmups(self, system: str) -> int:
+        """Untimed runs before the clock: one, or on CUDA for hf-static enough for transformers to
+        compile the decode step and record its CUDA graphs."""
+        return COMPILED_WARMUPS if system == "hf-static" and self.device.type == "cuda" else 1
+
+    def _start_cache(self, system: str):
+        """The prefilled cache a run starts from: a copy of the prompt's, the static cache rewound to
+        the prompt in place (its tensors keep the addresses the compiled step was built on; slots past
+        the prompt are masked until rewritten), or the offloaded cache cropped to the prompt (its
+        prefetch stream cannot be copied)."""
+        if system in ("hf-generate", "hf-assisted"):
+            return copy.deepcopy(self.prompt_cache)
+        cache = self.caches[system]
+        if system == "hf-static":
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(len(self.prompt))
+        else:
+            cache.crop(len(self.prompt))
+        return cache
 
     def teacher_forced(self, reference: list[int]) -> dict:
         """Feed `reference` (tokens after the prompt) to the target in one pass and list where it does NOT
@@ -124,7 +173,7 @@ class HFSystems:
         """Decode n_tokens - 1 after the prefill's first token. Returns (tokens, seconds, stats, margins)."""
         torch = self.torch
         ids = torch.tensor([self.prompt + [self.first]], device=self.device)
-        cache = copy.deepcopy(self.prompt_cache)
+        cache = self._start_cache(system)
         kw = {}
         if system == "hf-assisted":
             self._pending_cache = copy.deepcopy(self.assistant_cache)
@@ -132,13 +181,22 @@ class HFSystems:
         gen_cfg = self.generation_config(n_tokens - 1, cfg, scores)
         torch.manual_seed(cfg.seed)
         self.calls.update(target=0, assistant=0, drafted=0)
+        hooked = system != "hf-static"
+        if not hooked:  # a hook inside the compiled step would count at trace time only
+            self._hook.remove()
         synchronize(self.device)
         start = time.perf_counter()
-        with torch.no_grad():
-            out = self.target.generate(ids, past_key_values=cache, generation_config=gen_cfg, **kw)
-        synchronize(self.device)
+        try:
+            with torch.no_grad():
+                out = self.target.generate(ids, past_key_values=cache, generation_config=gen_cfg, **kw)
+            synchronize(self.device)
+        finally:
+            if not hooked:
+                self._hook = self.target.register_forward_hook(lambda *a: self._count("target"))
         seconds = time.perf_counter() - start
         tokens = [self.first] + out.sequences[0, ids.shape[1]:].tolist()
+        if not hooked:  # greedy generate(): one forward per new token
+            self.calls["target"] = len(tokens) - 1
         margins = None
         if scores and out.scores:
             top2 = torch.stack([s[0].float().topk(2).values for s in out.scores])

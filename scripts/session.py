@@ -60,6 +60,7 @@ class Session:
         self.console = Console(stderr=True, quiet=not self.is_main)
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
         self.device = self.dist.device if self.dist else resolve_device(run.device)
+        self.asked_dtype = run.dtype
         dtype = auto_dtype(self.device) if run.dtype == "auto" else run.dtype
         self.dtype = resolve_dtype(dtype)
         lower = resolve_lower_weights(run.lower_weights, self.device, self.dtype)
@@ -127,14 +128,19 @@ class Session:
         self.run, cfg = generation_plan(self.run, len(self.prompt_ids), self.console)
         return cfg
 
-    def generator(self, cfg, max_len: int) -> Generator:
+    def generator(self, cfg, max_len: int, prefilled=None, mode: str | None = None, models=None) -> Generator:
+        """The Generator generate.py decodes with: the offload factory, CUDA graphs. bench.py builds its
+        systems here too, from a shared prefill (`prefilled`) and with each system's `mode`, so a
+        benchmark times what generate.py runs for the same flags; `models`: another variant of the
+        loaded models (sweep.py's lower weights)."""
         factory = None
-        if self.run.offload == "host":
+        if self.run.offload == "host" and prefilled is None:  # a prefill brings its own full cache
             from offload import full_cache_factory
 
             factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk,
                                          onchip_layers=onchip_layers(self.run), chunk_tokens=self.run.offload_chunk)
-        gen = Generator(self.loaded.models, cfg, self.run.mode, max_len=max_len, full_cache_factory=factory)
+        gen = Generator(models or self.loaded.models, cfg, mode or self.run.mode, max_len=max_len,
+                        full_cache_factory=factory, prefilled=prefilled)
         self._last_full_cache = gen.full.cache
         if self.run.cuda_graphs:
             if not str(self.device).startswith("cuda"):
@@ -160,6 +166,7 @@ class Session:
             "offload": self._offload_timings(),
             "passes": d["passes"], "seconds": d["seconds"], "rebuilds": stats.rebuilds,
             "settings": {"dtype": run.dtype, "device": str(self.device), "threads": torch.get_num_threads(),
+                         "threads_why": self.threads_why,
                          "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,
                          "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
                          "rope_scaling": self.config.rope_scaling, "tp": self.dist.world_size if self.dist else 1,
@@ -170,15 +177,33 @@ class Session:
         cache = getattr(self, "_last_full_cache", None)
         return cache.timings() if cache is not None else None
 
-    def print_stats(self, stats) -> None:
-        print_stats_table(Console(file=self.stdout), self.run.mode, stats, self.run.lower_weights)
+    def print_stats(self, stats, cfg=None) -> None:
+        print_stats_table(Console(file=self.stdout), self.run.mode, stats, self.run.lower_weights, self.device,
+                          self.choices(cfg))
+
+    def choices(self, cfg=None) -> list[tuple[str, str]]:
+        """The defaults this run decided (dtype, threads, sampling) and why, for the statistics."""
+        run = self.run
+        rows = [("dtype", run.dtype + (" (--dtype auto)" if self.asked_dtype == "auto" else "")),
+                ("threads", f"{torch.get_num_threads()} ({self.threads_why})")]
+        if cfg is not None:
+            rows.append(("sampling", "greedy" if cfg.temperature == 0 else
+                         f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))
+        return rows
 
     def close(self) -> None:
         if self.dist:
             self.dist.close()
 
 
-def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "same") -> None:
+def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "same", device=None,
+                      choices: list[tuple[str, str]] = ()) -> None:
+    """The statistics of one generation. With an offloaded full cache (bytes moved counted) the
+    verification row also shows the link floor: the KV streamed per full pass over the pinned
+    host->device bandwidth measured now (CUDA; n/a on CPU, where there is no link to cross).
+    `device`: where the run decoded; when not given, CUDA if this process has initialised it."""
+    from scripts.measure import level_ms_per_pass, link_floor
+
     d = stats.to_dict()
     table = Table(title=f"{mode}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
     table.add_column("statistic")
@@ -191,8 +216,19 @@ def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "
     for level in ("draft", "middle", "verify"):
         if d["passes"][level]:
             rows.append((f"{level} passes / time", f"{d['passes'][level]} / {d['seconds'][level]:.2f} s"))
+    floor = link_floor(d, _decode_device(device)) if stats.bytes_moved is not None else None
+    for level, ms in level_ms_per_pass(d).items():
+        value = f"{ms:.1f}"
+        if level == "verify" and floor is not None:
+            value += f" (link floor {floor['text']})"
+        rows.append((f"{level} ms per pass", value))
+    if floor is not None and stats.decode_tokens:
+        per_token = "n/a" if floor["ms_per_token"] is None else f"{floor['ms_per_token']:.1f}"
+        rows.append(("decode ms per token / link floor",
+                     f"{1e3 * stats.decode_seconds / stats.decode_tokens:.1f} / {per_token}"))
     if stats.rebuilds:
         rows.append(("retrieval cache builds", str(stats.rebuilds)))
+    rows += list(choices)
     if lower_weights != "same" and (d["passes"]["draft"] or d["passes"]["middle"]):
         rows.append(("proposing levels' weights", lower_weights))
     if stats.bytes_moved is not None:
@@ -213,6 +249,13 @@ def _set_threads(threads: int | None) -> str:
     threads, why = auto_threads()
     torch.set_num_threads(threads)
     return why
+
+
+def _decode_device(device) -> str:
+    # generate.py's print_stats does not say where it decoded: a process that initialised CUDA did so there
+    if device is not None:
+        return str(device)
+    return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
 
 
 def _size(n: float) -> str:
