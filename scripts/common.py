@@ -109,9 +109,11 @@ def run_config(args: argparse.Namespace, sampling: str = "greedy", **derived) ->
     instead of taking them as given (bench.py's --new-tokens is the number of new tokens).
 
     sampling: what fills --temperature / --top-p / --top-k left out: "checkpoint" (generate, chat:
-    the model's own generation settings) or "greedy" (measuring tools compare engines token for token)."""
+    the checkpoint's generation_config.json), "model" (temperature 1: the model's own distribution)
+    or "greedy" (measuring tools compare engines token for token)."""
     given = {f.name: getattr(args, f.name) for f in fields(RunConfig)}
-    chosen = defaults.checkpoint_sampling(args.model) if sampling == "checkpoint" else {"temperature": 0.0}
+    chosen = {"checkpoint": lambda: defaults.checkpoint_sampling(args.model), "model": lambda: {"temperature": 1.0},
+              "greedy": lambda: {"temperature": 0.0}}[sampling]()
     for name, fallback in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
         if given[name] is None:
             given[name] = chosen.get(name, fallback)

@@ -39,7 +39,11 @@ def parse_args(argv) -> GenerateOptions:
     args = p.parse_args(argv)
     embedded = args.prompt is None and args.prompt_file is None  # the book prefix: its last 4,096 tokens
     context = 4096 if embedded and args.context is None else args.context
-    return GenerateOptions(run_config(args, sampling="checkpoint", context=context), args.prompt,
+    # The embedded job continues a novel: the model's own distribution (temperature 1) does not loop
+    # there, where SmolLM2's chat settings (0.2 / top-p 0.9) and greedy decoding do (README, "the
+    # main job"); a prompt of the user's gets the checkpoint's settings
+    sampling = "model" if embedded else "checkpoint"
+    return GenerateOptions(run_config(args, sampling=sampling, context=context), args.prompt,
                            str(DEFAULT_PROMPT_FILE) if embedded else args.prompt_file, args.json)
 
 
