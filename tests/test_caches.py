@@ -8,7 +8,7 @@ from speculative import GenerationConfig, Generator, Models, UserError
 from model.kv import KVShape
 from speculative.caches import FullCache, StreamingCache
 from model.loader import load_model
-from speculative.retrieval import RetrievalCache, check_budget
+from speculative.retrieval import RetrievalCache, check_budget, plan_selection
 from model.rope import Rotary
 
 from .conftest import save_tiny
@@ -130,7 +130,7 @@ def test_streaming_window_keeps_sinks_and_last_token():
 
 
 def test_budget_errors():
-    with pytest.raises(UserError, match="positive"):
+    with pytest.raises(UserError, match="budget must be > 0"):
         check_budget(0, 8, 100)
     with pytest.raises(UserError, match="multiple of the chunk"):
         check_budget(100, 8, 400)
@@ -140,6 +140,22 @@ def test_budget_errors():
         GenerationConfig(budget=-8)
     with pytest.raises(UserError, match="gamma1"):
         GenerationConfig(gamma1=0)
+
+
+@pytest.mark.parametrize("partial", range(8))
+def test_budget_rule_boundary(partial):
+    """One rule for the config and the cache: 4 chunks is the least budget, and it always retrieves at
+    least one chunk whatever the length's remainder (the recent tail then spans two chunks)."""
+    with pytest.raises(UserError, match="fewer than 4 chunks of 8"):
+        GenerationConfig(budget=24, chunk_size=8)
+    with pytest.raises(UserError, match="fewer than 4 chunks of 8"):
+        check_budget(24, 8, 400)
+    GenerationConfig(budget=32, chunk_size=8)
+    n = 200 + partial
+    check_budget(32, 8, n)
+    index, _, replaceable = plan_selection(n, 32, 8, torch.rand(2, n // 8))
+    assert replaceable >= 8 and index.shape == (2, 32)
+    assert all(len(set(row.tolist())) == 32 for row in index)  # no position twice
 
 
 def test_prompt_longer_than_configured_maximum(tmp_path):
