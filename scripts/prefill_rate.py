@@ -127,7 +127,7 @@ def table(rows: list[dict], threads: int):
     from rich.table import Table
 
     t = Table(title=f"prefill rate, {threads} thread(s): ours vs transformers (best of its feeds)")
-    for col in ("model", "dtype", "tokens", "ours tok/s", "hf tok/s", "hf feed", "ours/hf", "max |dlogit|"):
+    for col in ("model", "dtype", "tokens", "ours tok/s", "hf tok/s", "hf feed", "ours/hf", "|dlogit|"):
         t.add_column(col, justify="left" if col in ("model", "dtype") else "right")
     for r in rows:
         t.add_row(r["model"], r["dtype"], f"{r['tokens']:,}", f"{r['ours_tokens_per_s']:,.1f}",
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     GenerationConfig(prefill_chunk=chunk)  # refuses a bad --chunk, naming it
     text = read_text(args.prompt_file)
     rows = [measure(m, text, args.tokens, args.dtype, chunk, args.hf_chunks, args.repeats) for m in args.model]
-    Console().print(table(rows, torch.get_num_threads()))
+    Console(width=None if sys.stdout.isatty() else 120).print(table(rows, torch.get_num_threads()))  # logs: no wrap
     if args.out:
         meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": args.repeats,
                 "timing": "best of repeats after a warm-up, systems alternating in one process"}
