@@ -104,7 +104,11 @@ def _attend_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> 
 def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     T, Hq, D = q.shape
     S = keys.shape[1]
-    visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    # A whole prompt in one piece (T == S) is plain causal attention: `is_causal` lets the fused kernel
+    # skip the blocks above the diagonal, about half the work, where a mask makes it compute them all
+    # and read a (T, S) mask besides. SDPA aligns `is_causal` to the top-left, so it is only right here.
+    square = T == S
+    visible = None if square else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                         attn_mask=visible, enable_gqa=True)
+                                         attn_mask=visible, is_causal=square, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(T, Hq * D)
