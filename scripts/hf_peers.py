@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import time
 
+from scripts.common import CPU_PREFILL_CHUNK
 from scripts.measure import ulps_at
 from speculative import ModelConfig
 from speculative.engine import synchronize
@@ -32,7 +33,8 @@ class HFSystems:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        self.torch, self.prefill_chunk = torch, session.run.prefill_chunk
+        # transformers prefills in the pieces ours would (its strongest feed is measured by prefill_rate.py)
+        self.torch, self.prefill_chunk = torch, session.run.prefill_chunk or CPU_PREFILL_CHUNK
         self.device = torch.device(session.device)
         self.target = self._load(AutoModelForCausalLM, session.run.model, model_cfg, session.dtype, wrap is None)
         if wrap is not None:

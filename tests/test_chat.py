@@ -365,8 +365,8 @@ def test_smollm2_chat_template_cache_and_lossless_turns(tmp_path, capsys):
     """SmolLM2's ChatML template, the answer ending at <|im_end|>, the saved cache, lossless turns."""
     book = chat.Path(__file__).resolve().parents[1] / "speculative" / "data" / "pride_and_prejudice_ch1-9.txt"
     opts = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
-                            "--max-new-tokens", "24", "--room", "200", "--budget", "256",
-                            "--cache-dir", str(tmp_path)])
+                            "--max-new-tokens", "24", "--room", "200", "--budget", "256", "--temperature", "0",
+                            "--cache-dir", str(tmp_path)])  # greedy: compared with autoregressive decoding
     args = replace(opts, run=replace(opts.run, dtype="float64"))
     first = chat.start(args, interactive=False)
     assert first.book.fmt.templated and first.book.fmt.answer_end == "<|im_end|>\n"

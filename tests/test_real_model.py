@@ -62,17 +62,18 @@ def test_2000_tokens_at_16k_stay_lossless():
     the target as its own drafter gives exactly the autoregressive tokens, while the retrieval cache
     fills up and is rebuilt and the StreamingLLM window wraps over a thousand times. One prefill serves both
     runs; about 35 minutes on one core."""
+    from dataclasses import replace
+
     from scripts import sweep
-    from scripts.bench import run_system
     from scripts.common import generation_config, read_text
+    from scripts.measure import run_system
     from scripts.session import open_session
     from speculative import Generator
 
-    args = sweep.parse_args(["--model", str(MODEL), "--draft", "self", "--context", "16384", "--new-tokens", "2000",
+    plan = sweep.parse_args(["--model", str(MODEL), "--draft", "self", "--context", "16384", "--new-tokens", "2000",
                              "--dtype", "float32", "--budget", "2048"])
-    session = open_session(args, read_text(BOOK))
-    args.mode = "triforce"
-    cfg = generation_config(args, len(session.prompt_ids))
+    session = open_session(plan.run, read_text(BOOK))
+    cfg = generation_config(replace(session.run, mode="triforce"), len(session.prompt_ids))
     max_len = len(session.prompt_ids) + 2000
     seed = Generator(session.loaded.models, cfg, "autoregressive", max_len=max_len)
     seed.prefill(session.prompt_ids)
