@@ -59,6 +59,7 @@ from scripts.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems  # noqa: E402
 from scripts.measure import (OURS, TIE_ULPS, build_system, first_mismatch, level_ms_per_pass, link_floor,  # noqa: E402
                              logit_gap_ulps, seed_config, shared_prefill, ties_only, timed_run)
 from scripts.session import open_session  # noqa: E402
+from scripts.traffic import Traffic, bytes_read  # noqa: E402
 from speculative import ModelConfig, UserError  # noqa: E402
 
 BOOK = DEFAULT_PROMPT_FILE
@@ -138,35 +139,6 @@ def _systems(flag: str) -> tuple[str, ...]:
     if unknown:
         raise UserError(f"unknown system(s) {', '.join(unknown)}: choose from {', '.join(OURS + HF)}")
     return systems
-
-
-# ------------------------------------------------------------------------------- bytes per pass model
-def kv_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-
-
-def weight_bytes(cfg: ModelConfig, elem: int) -> int:
-    from scripts.costmodel import ModelShape
-
-    return ModelShape.from_config(cfg, bytes_per_value=elem).weight_bytes_read
-
-
-class Traffic:
-    """Bytes a pass reads at each level: the weights plus the KV that level's cache holds. The
-    proposing levels read `lower_elem` bytes per weight (1 with --lower-weights int8)."""
-
-    def __init__(self, target: ModelConfig, drafter: ModelConfig, elem: int, context: int, new_tokens: int,
-                 cfg, lower_elem: int | None = None):
-        mean_len = context + new_tokens // 2
-        lower_elem = lower_elem or elem
-        self.full = weight_bytes(target, elem) + kv_bytes_per_token(target, elem) * mean_len
-        self.middle = weight_bytes(target, lower_elem) + kv_bytes_per_token(target, elem) * min(cfg.budget, context)
-        window = min(cfg.sink_tokens + cfg.draft_window, context)
-        self.draft = weight_bytes(drafter, lower_elem) + kv_bytes_per_token(drafter, elem) * window
-        self.assistant_full = weight_bytes(drafter, elem) + kv_bytes_per_token(drafter, elem) * mean_len
-
-    def ours(self, passes: dict) -> int:
-        return passes.get("verify", 0) * self.full + passes.get("middle", 0) * self.middle + passes.get("draft", 0) * self.draft
 
 
 def system_configs(run: RunConfig, systems, prompt_len: int, console=None) -> dict:
@@ -276,14 +248,6 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
             results[mode]["times"].append(seconds)
             results[mode]["stats"] = stats
     return results
-
-
-def bytes_read(mode: str, stats: dict, traffic: Traffic) -> float:
-    if mode == "hf-assisted":
-        return stats["full_passes"] * traffic.full + stats["passes"]["draft"] * traffic.assistant_full
-    if mode in HF:
-        return stats["full_passes"] * traffic.full
-    return traffic.ours(stats["passes"])
 
 
 def mismatch(session, prefilled, hf, mode: str, result: dict, reference) -> dict:

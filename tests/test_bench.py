@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from scripts import bench, measure
+from scripts import bench, measure, traffic
 from scripts.hf_peers import HFSystems
 
 from .conftest import save_tiny, save_tokenizer
@@ -168,8 +168,8 @@ def test_traffic_counts_int8_proposer_weights_at_one_byte():
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
     gen = GenerationConfig(budget=256)
-    bf16, int8 = (bench.Traffic(cfg, cfg, 2, 2048, 32, gen, lower_elem=e) for e in (None, 1))
+    bf16, int8 = (traffic.Traffic(cfg, cfg, 2, 2048, 32, gen, lower_elem=e) for e in (None, 1))
     assert int8.full == bf16.full  # verification always reads the exact weights
-    weights = bench.weight_bytes(cfg, 2)
-    assert bf16.middle - int8.middle == weights - bench.weight_bytes(cfg, 1) == weights // 2
+    weights = traffic.weight_bytes(cfg, 2)
+    assert bf16.middle - int8.middle == weights - traffic.weight_bytes(cfg, 1) == weights // 2
     assert bf16.draft - int8.draft == weights // 2
