@@ -281,8 +281,11 @@ def _command(chat: Chat, line: str, console) -> bool:
         if chat.last is None:
             console.print("no answer yet: ask a question first")
         else:
-            lower = chat.session.run.lower_weights if chat.session is not None else "same"
-            print_stats_table(console, chat.gen.mode, chat.last.stats, lower)
+            session = chat.session
+            lower = session.run.lower_weights if session is not None else "same"
+            choices = session.choices(chat.gen.cfg) if session is not None else ()
+            print_stats_table(console, chat.gen.mode, chat.last.stats, lower,
+                              session.device if session is not None else None, choices)
     elif name == "/reset":
         chat.reset()
         console.print("conversation dropped; the book is still loaded")
