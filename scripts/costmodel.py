@@ -246,6 +246,33 @@ def triforce(s: Setting, onchip: int | None = None) -> Prediction:
         "onchip_layers": onchip_layers(s) if onchip is None else onchip})
 
 
+# ------------------------------------------------------------------------------ measured pass costs
+def ms_per_token_from_passes(mode: str, ms: dict, accept: dict, gamma1: int, gamma2: int) -> float:
+    """Milliseconds per token of `mode` from measured milliseconds per pass of each level (ms: draft,
+    middle, verify) and acceptance rates (accept: draft->verify, draft->middle, middle->verify):
+
+        autoregressive  verify
+        speculative     (gamma1 draft + verify) / E(a_draft->verify, gamma1)
+        retrieval       (gamma2 middle + verify) / E(a_middle->verify, gamma2)
+        triforce        (gamma2 / E(a_draft->middle, gamma1) x (gamma1 draft + middle) + verify)
+                        / E(a_middle->verify, gamma2)
+
+    A third level pays when its middle tokens, each costing (gamma1 draft + middle) / E1, are cheap
+    enough next to the full pass that the longer runs it buys (E2 over E of the drafter alone) win:
+    triforce beats speculative exactly when this function says so for both."""
+    e = tokens_per_verification
+    if mode == "autoregressive":
+        return ms["verify"]
+    if mode == "speculative":
+        return (gamma1 * ms["draft"] + ms["verify"]) / e(accept["draft->verify"], gamma1)
+    if mode == "retrieval":
+        return (gamma2 * ms["middle"] + ms["verify"]) / e(accept["middle->verify"], gamma2)
+    if mode == "triforce":
+        per_middle_token = (gamma1 * ms["draft"] + ms["middle"]) / e(accept["draft->middle"], gamma1)
+        return (gamma2 * per_middle_token + ms["verify"]) / e(accept["middle->verify"], gamma2)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
 # ------------------------------------------------------------------------------ published calibration
 @dataclass(frozen=True)
 class PublishedRow:

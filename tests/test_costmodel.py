@@ -132,3 +132,20 @@ def test_project_cli_prints_projection_label_and_reads_a_bench_json(tmp_path, ca
     assert project.main(["--json", "--context", "131072", "--model", "Llama2-13B-128K", "--tp", "2"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["label"].startswith("PROJECTION") and rep["custom"]["triforce_ms"] < rep["custom"]["autoregressive_ms"]
+
+
+def test_ms_per_token_from_passes_and_when_the_third_level_pays():
+    from scripts.costmodel import ms_per_token_from_passes as per_token
+
+    # perfect acceptance: a round of gamma proposals yields gamma + 1 tokens
+    assert per_token("speculative", {"draft": 1, "verify": 10}, {"draft->verify": 1.0}, 4, 0) == (4 + 10) / 5
+    assert per_token("autoregressive", {"verify": 7.5}, {}, 0, 0) == 7.5
+    # a full pass that dominates (KV streamed from host memory) and a cheap middle level: three levels win
+    ms = {"draft": 0.5, "middle": 1.5, "verify": 60.0}
+    accept = {"draft->verify": 0.6, "draft->middle": 0.8, "middle->verify": 0.9}
+    assert per_token("triforce", ms, accept, 4, 12) < per_token("speculative", ms, accept, 4, 12)
+    # a middle pass costing nearly a full pass (every level reads the same weights, as on a CPU) and a
+    # drafter of its own: two levels win (87.8 against 68.6 ms per token)
+    ms = {"draft": 20.0, "middle": 100.0, "verify": 110.0}
+    accept = {"draft->verify": 0.7, "draft->middle": 0.7, "middle->verify": 0.9}
+    assert per_token("triforce", ms, accept, 2, 3) > per_token("speculative", ms, accept, 4, 3)
