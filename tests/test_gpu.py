@@ -6,7 +6,7 @@ import torch
 from offload import full_cache_factory
 from speculative.graphs import enable_cuda_graphs
 from speculative import GenerationConfig, Models
-from speculative import attention
+from model import attention
 from speculative.engine import Generator
 from model.loader import load_model
 
