@@ -91,7 +91,7 @@ class Session:
                                world_size=self.dist.world_size if self.dist else 1)
         if self.dist:
             self.dist.attach(self.loaded.models.target)
-        # after attach: the int8 twin shares the target's all-reduce hook as it is then
+        # the int8 twin shares the attention and MLP modules' hooks (tensor parallelism) by reference
         self.loaded.models = with_lower_weights(self.loaded.models, run.lower_weights)
         return self
 
