@@ -66,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill forward (default: 4,096 on CPU, where a whole prompt in one "
                         "causal piece prefilled at 1.0-1.8x transformers' rate against 0.45x in pieces of 512; "
-                        f"{GPU_PREFILL_CHUNK} on a GPU)")
+                        "512 on a GPU; GenerationConfig.prefill_piece)")
 
 
 
@@ -131,11 +131,6 @@ def run_config(args: argparse.Namespace, sampling: str = "greedy", **derived) ->
 # than 8 (4K: middle acceptance 0.85 vs 0.80), on either device. On a GPU the full pass streams the KV
 # from host memory and dwarfs the others: TriForce's published setting (budget 4,096, longer gamma2).
 CPU_BUDGET_FRACTION, CPU_BUDGET_RANGE, GPU_BUDGET = 4, (1024, 8192), 4096
-# Prefill pieces: on CPU a prompt of up to 4,096 tokens goes in one piece, whose attention runs as a
-# causal kernel (scripts/prefill_rate.py: 1.0-1.8x transformers' rate, SmolLM2 and Qwen2.5-0.5B, fp32
-# and bf16, 4K tokens); later pieces attend to the cache under a mask of piece x context. On a GPU
-# the mask of a long piece at 128K context would take gigabytes: pieces stay at 512 (not measured here)
-CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 4096, 512
 DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce": (2, 3), "autoregressive": (0, 0)},
                   "cuda": {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}}
 
@@ -170,7 +165,7 @@ def generation_config(run: RunConfig, prompt_len: int, console=None):
         gamma1=run.gamma1 if run.gamma1 is not None else max(g1, 1),
         gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
         draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
-        prefill_chunk=run.prefill_chunk or (GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK))
+        prefill_chunk=run.prefill_chunk)  # None: the device's default piece (GenerationConfig.prefill_piece)
 
 
 def generation_plan(run: RunConfig, prompt_len: int, console=None):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import copy
 import time
 
-from scripts.common import CPU_PREFILL_CHUNK
 from scripts.measure import ulps_at
 from speculative import ModelConfig
+from speculative.config import CPU_PREFILL_CHUNK
 from speculative.engine import synchronize
 
 

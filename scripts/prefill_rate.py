@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    chunk = args.chunk or GenerationConfig().prefill_chunk
+    chunk = args.chunk or GenerationConfig().prefill_piece("cpu")
     GenerationConfig(prefill_chunk=chunk)  # refuses a bad --chunk, naming it
     text = read_text(args.prompt_file)
     rows = [measure(m, text, args.tokens, args.dtype, chunk, args.hf_chunks, args.repeats) for m in args.model]

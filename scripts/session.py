@@ -137,7 +137,7 @@ class Session:
         if self.run.offload == "host" and prefilled is None:  # a prefill brings its own full cache
             from offload import full_cache_factory
 
-            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_chunk,
+            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_piece(self.device),
                                          onchip_layers=onchip_layers(self.run), chunk_tokens=self.run.offload_chunk)
         gen = Generator(models or self.loaded.models, cfg, mode or self.run.mode, max_len=max_len,
                         full_cache_factory=factory, prefilled=prefilled)

@@ -7,6 +7,13 @@ from model.errors import UserError
 
 from .retrieval import check_budget_shape
 
+# Prefill pieces: on CPU a prompt of up to 4,096 tokens goes in one piece, whose attention runs as a
+# causal kernel (scripts/prefill_rate.py: 1.0-1.8x transformers' rate, SmolLM2 and Qwen2.5-0.5B, fp32
+# and bf16, 4K tokens, against 0.45x in pieces of 512); later pieces attend to the cache under a mask
+# of piece x context. On a GPU the mask of a long piece at 128K context would take gigabytes: pieces
+# stay at 512 there (not measured yet).
+CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 4096, 512
+
 
 @dataclass
 class GenerationConfig:
@@ -27,7 +34,7 @@ class GenerationConfig:
     # StreamingLLM cache for the drafter
     sink_tokens: int = 4
     draft_window: int = 256
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward; None: prefill_piece(device)
     stop_on_eos: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -42,12 +49,19 @@ class GenerationConfig:
             (self.sink_tokens >= 0, f"sink tokens must be >= 0 (got {self.sink_tokens})"),
             (self.draft_window >= 1, f"draft window must be >= 1 (got {self.draft_window})"),
             (0 <= self.rebuild_threshold <= 1, f"rebuild threshold must be in [0, 1] (got {self.rebuild_threshold})"),
-            (self.prefill_chunk >= 1, f"prefill chunk must be >= 1 (got {self.prefill_chunk})"),
+            (self.prefill_chunk is None or self.prefill_chunk >= 1,
+             f"prefill chunk must be >= 1 (got {self.prefill_chunk})"),
         ]
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
         check_budget_shape(self.budget, self.chunk_size)
+
+    def prefill_piece(self, device) -> int:
+        """Prompt tokens per prefill forward on `device`: the setting, else the device's default."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        return GPU_PREFILL_CHUNK if str(device).startswith("cuda") else CPU_PREFILL_CHUNK
 
     @property
     def greedy(self) -> bool:

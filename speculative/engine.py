@@ -173,7 +173,7 @@ class Generator:
         if prefilled:
             full_cache = prefilled.cache
         else:
-            make_full = full_cache_factory or (lambda shape, slots, reserve: FullCache(shape, slots, cfg.prefill_chunk))
+            make_full = full_cache_factory or (lambda shape, slots, reserve: FullCache(shape, slots, cfg.prefill_piece(self.device)))
             reserve = sizes.after_full_bytes(target.kv_shape(), drafter.kv_shape() if drafter else None)
             full_cache = make_full(target.kv_shape(), sizes.full, reserve)
         self.full = Level("verify", target, full_cache, self.stats)

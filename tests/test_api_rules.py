@@ -70,3 +70,22 @@ def test_fallback_boundary(budget, prompt, expected):
     assert mode_for_prompt("retrieval", budget, 8, prompt)[0] == ("autoregressive" if expected != "triforce"
                                                                   else "retrieval")
     assert mode_for_prompt("speculative", budget, 8, prompt) == ("speculative", None)
+
+
+def test_prefill_pieces_follow_the_device_unless_set():
+    """The API prefills in the command line's pieces: a whole 4K prompt in one causal piece on CPU."""
+    assert GenerationConfig().prefill_piece("cpu") == 4096
+    assert GenerationConfig().prefill_piece(torch.device("cuda", 0)) == 512
+    assert GenerationConfig(prefill_chunk=100).prefill_piece("cpu") == 100
+    with pytest.raises(UserError, match="prefill chunk must be >= 1"):
+        GenerationConfig(prefill_chunk=0)
+
+
+def test_a_generator_feeds_its_prefill_in_the_device_pieces(short_model):
+    from speculative import Generator
+
+    models = load(short_model).models
+    cfg = GenerationConfig(max_new_tokens=2, budget=32, chunk_size=8)
+    assert Generator(models, cfg, "autoregressive", max_len=64).full.cache.max_feed == 4096
+    cfg = GenerationConfig(max_new_tokens=2, budget=32, chunk_size=8, prefill_chunk=16)
+    assert Generator(models, cfg, "autoregressive", max_len=64).full.cache.max_feed == 16
