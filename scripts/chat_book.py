@@ -131,12 +131,15 @@ def prepare_book(opts: ChatOptions, tok, console, interactive: bool, text: str |
     ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
     book = wrap_book(tok, path.name, digest, ids, opts.run.context)
-    limit = context_positions(ModelConfig.from_folder(opts.run.model), opts.run.rope_scaling)
+    cfg = ModelConfig.from_folder(opts.run.model)
+    limit = context_positions(cfg, opts.run.rope_scaling)
     cut = f", keeping the last {book.kept:,} (--context)" if book.kept < book.tokens else ""
     console.print(f"[bold]{escape(path.name)}[/]: {book.tokens:,} tokens{cut}; {len(book.prompt):,} with the system "
                   f"prompt and chat template{'' if book.fmt.templated else ' (plain: the tokenizer has none)'}")
     if len(book.prompt) + room <= limit:
-        console.print(f"fits the model's {limit:,}-token context, with {room:,} tokens for the conversation")
+        reach = (f"the model's {cfg.max_positions:,} positions" if len(book.prompt) + room <= cfg.max_positions
+                 else f"{limit:,} positions with RoPE scaling")
+        console.print(f"fits {reach}, with {room:,} tokens for the conversation")
         return book
     # the system prompt's size once the book is cut (the cut adds a note saying so)
     overhead = len(wrap_book(tok, path.name, digest, ids + [0], len(ids)).prompt) - len(ids)

@@ -263,6 +263,7 @@ def test_whole_book_past_the_trained_positions_gets_yarn(tmp_path, capsys):
     c = chat.start(make_args(folder, book, tmp_path / "cache"), interactive=False)
     err = " ".join(capsys.readouterr().err.split())
     assert c.book.kept == c.book.tokens == 300 and "applying YaRN RoPE scaling" in err
+    assert "fits 2,048 positions with RoPE scaling, with 160 tokens for the conversation" in err
     assert c.ask("t5").tokens
     book.write_text(" ".join(f"t{3 + i % 7}" for i in range(64 * 32)))
     assert run_cli(chat.main, ["--book", str(book), "--model", str(folder), "--room", "100"]) == 2
@@ -302,11 +303,13 @@ def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
     assert "does not fit" in err and "--context 3900" in err and "drop --rope-scaling none" in err
     args = chat.parse_args(argv + ["--context", "3900"])
     tok = chat.load_tokenizer(tiny_folder)
-    book = chat_book.prepare_book(args, tok, chat.Console(file=io.StringIO()), interactive=False)
+    said = io.StringIO()
+    book = chat_book.prepare_book(args, tok, chat.Console(file=said, width=200), interactive=False)
     ids = tok.encode(path.read_text(), add_special_tokens=False, split_special_tokens=True)
     head = len(book.fmt.markup(book.fmt.book_head))
     assert book.kept == 3900 and book.prompt[head:head + 3900] == ids[-3900:]
     assert len(book.prompt) + 100 <= 4096
+    assert "fits the model's 4,096 positions, with 100 tokens for the conversation" in said.getvalue()
 
 
 def test_chat_template_pieces(tiny_folder):
