@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from rich.markup import escape
 
-from scripts.common import RunConfig, context_positions, prefill_progress, read_text
+from scripts.common import RunConfig, context_positions, read_text
+from scripts.progress import prefill_progress
 from speculative import ModelConfig, UserError, kvfile
 
 SYSTEM = ("You are a helpful assistant. The user wants to talk about the book {name}, given below. Answer "

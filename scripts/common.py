@@ -241,46 +241,6 @@ def read_text(path: str | Path, what: str = "prompt file") -> str:
         raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
 
 
-def prefill_progress(console, total: int, label: str = "prefill", done: int = 0):
-    """A rich progress bar (tokens done / total, tokens/s, time left); returns (progress, advance).
-    `done`: tokens already there (resumed from a checkpoint), shown but not counted in the rate."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    class Rate(TextColumn):
-        def render(self, task):
-            speed = task.finished_speed or task.speed
-            return TextColumn(f"{speed:,.0f} tok/s" if speed else "").render(task)
-
-    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), Rate(""),
-                        TimeRemainingColumn(), console=console, transient=False,
-                        speed_estimate_period=300)  # a piece can take minutes at long context
-    task = progress.add_task(label, total=total, completed=done)
-    if console.is_terminal:
-        return progress, lambda n: progress.advance(task, n)
-    # A log file gets no live bar, only the final one; a whole book takes an hour on a CPU, so the
-    # log says when the prefill starts and then, once a minute, how far it is and how long is left.
-    console.print(f"{label}: {total - done:,} tokens ..." if not done else
-                  f"{label}: {total - done:,} tokens after {done:,} resumed ...")
-    logged = [time.monotonic()]
-
-    def advance(n: int) -> None:
-        progress.advance(task, n)
-        now, state = time.monotonic(), progress.tasks[0]
-        if now - logged[0] >= PROGRESS_LOG_SECONDS and not state.finished:
-            logged[0] = now
-            console.print(f"{label}: {state.completed:,.0f} of {total:,} tokens ({state.percentage:.0f}%)"
-                          + (f", {state.speed:,.0f} tok/s, about {_minutes(state.time_remaining)} left"
-                             if state.speed and state.time_remaining is not None else ""))
-    return progress, advance
-
-
-PROGRESS_LOG_SECONDS = 60.0
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
-
-
 def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
     """Run a front end: user errors become one line on stderr, Ctrl-C or SIGTERM a clean exit (130).
 
@@ -383,5 +343,5 @@ class Timer:
 
 
 __all__ = ["add_model_args", "add_engine_args", "RunConfig", "run_config", "generation_config",
-           "generation_plan", "context_positions", "resolve_draft", "resolve_rope", "read_text", "prefill_progress", "run_cli",
+           "generation_plan", "context_positions", "resolve_draft", "resolve_rope", "read_text", "run_cli",
            "replace"]

@@ -16,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,  # noqa: E402
-                            prefill_progress, read_text, run_cli, run_config)
+                            read_text, run_cli, run_config)
+from scripts.progress import prefill_progress  # noqa: E402
 
 
 @dataclass(frozen=True)

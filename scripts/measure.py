@@ -127,7 +127,7 @@ def seed_config(cfgs: dict):
 def shared_prefill(session, cfgs: dict, prompt, max_len, label="prefill"):
     """Prefill `prompt` once, through Session.generator (the full cache generate.py would build), for
     the systems of `cfgs` ({mode: GenerationConfig}); returns the snapshot they all decode from."""
-    from scripts.common import prefill_progress
+    from scripts.progress import prefill_progress
 
     seed = session.generator(seed_config(cfgs), max_len, mode=seed_mode(cfgs))
     progress, advance = prefill_progress(session.console, len(prompt), label)

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_report import wide  # noqa: E402
 from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,  # noqa: E402
-                            generation_config, prefill_progress, read_text, run_cli, run_config)
+                            generation_config, read_text, run_cli, run_config)
+from scripts.progress import prefill_progress  # noqa: E402
 from scripts.measure import TIE_ULPS, first_mismatch, logit_gap_ulps, run_system  # noqa: E402
 from scripts.session import open_session  # noqa: E402
 from speculative import Generator, UserError  # noqa: E402
