@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     console, out = session.console, session.stdout
     ids = session.prompt_ids
     cfg = session.plan_generation()  # bad settings are refused before the weights load
-    session.load()
+    session.load(modes=(session.run.mode,))
     gen = session.generator(cfg, max_len=len(ids) + run.max_new_tokens)
 
     progress, advance = prefill_progress(console, len(ids))

@@ -16,7 +16,7 @@ from rich.table import Table
 from parallel import resolve_device, setup_tensor_parallel
 from scripts.defaults import auto_dtype, auto_threads
 from scripts.common import RunConfig, context_positions, generation_plan, resolve_draft, resolve_rope
-from speculative import Generator, ModelConfig, UserError
+from speculative import MODES, Generator, ModelConfig, UserError
 from speculative.api import load, resolve_dtype
 from model.loader import load_tokenizer
 from model.tensor_parallel import check_shardable
@@ -83,7 +83,9 @@ class Session:
         self._check_host_memory(needed)
         self.needed = needed
 
-    def load(self) -> "Session":
+    def load(self, modes=MODES) -> "Session":
+        """Load the models; `modes`: those this session will run (their proposing levels alone get
+        cheaper weights)."""
         run = self.run
         with self.console.status(f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
             self.loaded = load(run.model, self.draft, self.dtype, self.device, target_config=self.config,
@@ -92,7 +94,8 @@ class Session:
         if self.dist:
             self.dist.attach(self.loaded.models.target)
         # the int8 twin shares the attention and MLP modules' hooks (tensor parallelism) by reference
-        self.loaded.models = with_lower_weights(self.loaded.models, run.lower_weights)
+        target, drafter = self.loaded.models.proposers(modes)
+        self.loaded.models = with_lower_weights(self.loaded.models, run.lower_weights, target, drafter)
         return self
 
     def encode(self, text: str) -> list[int]:
@@ -300,6 +303,6 @@ def onchip_layers(run: RunConfig) -> int | str:
     return layers
 
 
-def open_session(run: RunConfig, text: str | None) -> Session:
-    """A session with its models loaded."""
-    return Session(run, text).load()
+def open_session(run: RunConfig, text: str | None, modes=MODES) -> Session:
+    """A session with its models loaded for `modes` (all of them unless said)."""
+    return Session(run, text).load(modes)

@@ -47,6 +47,13 @@ class Models:
     # acceptance depends on it; the full-cache level verifies with `target`.
     proposing_target: Transformer | None = None
 
+    def proposers(self, modes) -> tuple[bool, bool]:
+        """Whether any of `modes` proposes with the target's weights (the retrieval middle, or a self
+        drafter), and whether any runs the separate drafter: the levels worth a cheaper copy."""
+        drafts = any(m in ("speculative", "triforce") for m in modes)
+        middle = any(m in ("retrieval", "triforce") for m in modes)
+        return middle or (drafts and self.drafter is None), drafts and self.drafter is not None
+
 
 @dataclass(frozen=True)
 class CacheSizes:

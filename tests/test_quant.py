@@ -5,6 +5,7 @@ every mode equals autoregressive decoding with the exact weights, and sampled ou
 the target's distribution (the chi-square harness of test_sampling)."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from speculative import GenerationConfig, Models, UserError, generate_ids
 from speculative.caches import FullCache
 from model.loader import load_model
+from model import quant
 from model.quant import (INT8_KERNEL_MAX_ROWS, Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights,
                                with_lower_weights)
 from speculative.sampling import Sampler
@@ -29,7 +31,9 @@ def test_int8_linear_is_the_dequantized_matmul(dtype):
     weight = torch.randn(96, 64, generator=g).to(dtype)
     bias = torch.randn(96, generator=g).to(dtype)
     x = torch.randn(5, 64, generator=g).to(dtype)
+    original = weight.clone()
     layer = Int8Linear(weight, bias)
+    assert torch.equal(weight, original)  # quantizing leaves the exact weights alone
     assert layer.weight.dtype == torch.int8 and layer.weight.abs().max() >= 126
     dequantized = layer.weight.double() * layer.scale.double()[:, None]
     expected = F.linear(x.double(), dequantized, bias.double())
@@ -124,3 +128,37 @@ def test_stats_table_names_int8_proposers(tiny):
         console = Console(record=True, width=120)
         print_stats_table(console, "triforce", stats, kind)
         assert ("proposing levels' weights" in console.export_text()) == (kind == "int8")
+
+
+def test_blockwise_quantization_matches_the_whole_tensor_formula(monkeypatch):
+    """The int8 rows computed a block at a time equal round(w / scale) of the whole tensor."""
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(37, 19, generator=g) * torch.rand(37, 1, generator=g) * 3).to(torch.bfloat16)
+    weight[3] = 0  # a row of zeros gets the tiny scale, not a division by zero
+    monkeypatch.setattr(quant, "QUANTIZE_BLOCK_ELEMENTS", 19 * 5)  # blocks of 5 rows, the last one short
+    layer = Int8Linear(weight, None)
+    w = weight.float()
+    exact = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert torch.all(layer.scale.float() >= exact) and layer.scale.dtype == torch.bfloat16
+    expected = (w / layer.scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    assert torch.equal(layer.weight, expected) and layer.weight[3].abs().sum() == 0
+    assert layer.weight.abs().amax(dim=1)[torch.arange(37) != 3].min() >= 126  # each row uses its range
+
+
+@pytest.mark.parametrize("modes,separate,target_twin,drafter_twin", [
+    (("autoregressive",), True, False, False),
+    (("speculative",), True, False, True),
+    (("speculative",), False, True, False),  # the target drafts for itself
+    (("retrieval",), True, True, False),
+    (("triforce",), True, True, True),
+    (("autoregressive", "retrieval"), True, True, False),
+])
+def test_only_the_levels_a_mode_runs_get_a_cheaper_copy(tiny, modes, separate, target_twin, drafter_twin):
+    drafter = copy.copy(tiny) if separate else None
+    models = Models(tiny, drafter)
+    target, draft = models.proposers(modes)
+    lowered = with_lower_weights(models, "int8", target, draft)
+    assert (lowered.proposing_target is not None) == target_twin
+    assert (lowered.drafter is not drafter) == drafter_twin and lowered.target is tiny
+    with pytest.raises(UserError, match="unknown --lower-weights"):
+        with_lower_weights(models, "int4", target, draft)
