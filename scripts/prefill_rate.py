@@ -6,7 +6,8 @@ Ours is `Generator(..., "autoregressive").prefill(ids)` (pieces of --chunk token
 The peer is transformers' own model with SDPA attention and a KV cache under inference_mode, fed in
 each --hf-chunks way (0 = the whole prompt in one call) and credited with its fastest: the comparison
 is against its strongest configuration, not its default. Systems alternate within each repetition,
-after one warm-up each, so load from other jobs falls on both; times are the best of --repeats.
+after a warm-up each (the prompt's first 1,024 tokens), so load from other jobs falls on both; times
+are the best of --repeats.
 The last position's logits of the two are compared too: equal outputs make the rates comparable.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.model = args.model or [str(DEFAULT_MODEL)]
     args.hf_chunks = [int(c) for c in args.hf_chunks.split(",") if c.strip()]
+    if args.repeats < 1 or args.tokens < 1 or not args.hf_chunks or min(args.hf_chunks) < 0:
+        p.error("--repeats and --tokens must be >= 1, --hf-chunks one or more sizes >= 0")
     return args
 
 
@@ -67,6 +70,9 @@ def ours_prefill(model, ids: list[int], chunk: int):
     with torch.inference_mode():
         logits = gen.full.model(torch.tensor(ids[-1:]), gen.full.cache)[-1]
     return seconds, logits
+
+
+WARMUP_TOKENS = 1024
 
 
 def hf_prefill(model, ids: list[int], chunk: int):
@@ -104,16 +110,20 @@ def load_pair(folder: str, dtype_name: str, tokens: int):
 
 
 def measure(folder: str, text: str, tokens: int, dtype: str, chunk: int, hf_chunks: list[int], repeats: int) -> dict:
-    """One row: both prefills of the same ids, alternating, best of `repeats` after a warm-up each."""
+    """One row: both prefills of the same ids, alternating, best of `repeats` after a warm-up each
+    (the first WARMUP_TOKENS: allocator and kernel choice settle; a whole long prompt would double
+    the run)."""
     ids = prompt_ids(folder, text, tokens)
     ours, hf = load_pair(folder, dtype, tokens)
-    runs = {"ours": lambda: ours_prefill(ours, ids, chunk)}
-    runs.update({f"hf:{c}": (lambda c=c: hf_prefill(hf, ids, c)) for c in hf_chunks})
-    logits = {name: run()[1] for name, run in runs.items()}  # the warm-up
-    times = {name: [] for name in runs}
+    runs = {"ours": lambda part: ours_prefill(ours, part, chunk)}
+    runs.update({f"hf:{c}": (lambda part, c=c: hf_prefill(hf, part, c)) for c in hf_chunks})
+    for run in runs.values():
+        run(ids[:WARMUP_TOKENS])
+    times, logits = {name: [] for name in runs}, {}
     for _ in range(repeats):
         for name, run in runs.items():
-            times[name].append(run()[0])
+            seconds, logits[name] = run(ids)
+            times[name].append(seconds)
     best = {name: min(t) for name, t in times.items()}
     hf_best = min((n for n in runs if n != "ours"), key=best.get)
     return {"model": Path(folder).name, "dtype": dtype, "tokens": tokens, "chunk": chunk,
