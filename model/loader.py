@@ -128,6 +128,16 @@ def load_tokenizer(folder: str | Path):
                         f"tokenizer.json/tokenizer_config.json") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
+    """True when two folders hold byte-identical tokenizer files (a drafter converted beside its target):
+    the same tokenizer, known without loading the second one (seconds for Qwen's 151K vocabulary)."""
+    files = [(Path(a) / name, Path(b) / name) for name in TOKENIZER_FILES]
+    return all(x.is_file() and y.is_file() and x.read_bytes() == y.read_bytes() for x, y in files)
+
+
 def same_tokenizer(a, b) -> bool:
     """True when two tokenizers map text to the same ids (vocabulary and special tokens)."""
     if a is b:

@@ -90,7 +90,7 @@ class Session:
         with self.console.status(f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
             self.loaded = load(run.model, self.draft, self.dtype, self.device, target_config=self.config,
                                max_len=self.needed, rank=self.dist.rank if self.dist else 0,
-                               world_size=self.dist.world_size if self.dist else 1)
+                               world_size=self.dist.world_size if self.dist else 1, tokenizer=self.tokenizer)
         if self.dist:
             self.dist.attach(self.loaded.models.target)
         # the int8 twin shares the attention and MLP modules' hooks (tensor parallelism) by reference

@@ -16,7 +16,7 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import UserError
-from model.loader import load_model, load_tokenizer, same_tokenizer
+from model.loader import load_model, load_tokenizer, same_tokenizer, same_tokenizer_files
 from model.rope import Rotary, scaled_for
 
 from .config import GenerationConfig
@@ -45,8 +45,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load(target: str | Path, draft: str | Path | None = "self", dtype: str | torch.dtype = "float32",
          device: str = "cpu", target_config: ModelConfig | None = None, max_len: int | None = None,
-         rank: int = 0, world_size: int = 1, progress: Callable | None = None, rope_scaling: str = "auto") -> Loaded:
+         rank: int = 0, world_size: int = 1, progress: Callable | None = None, rope_scaling: str = "auto",
+         tokenizer=None) -> Loaded:
     """Load the target (sharded when world_size > 1) and the drafter (replicated; None/'self' = target).
+    `tokenizer`: the target's, when the caller has already loaded it.
 
     Without `target_config`, the target's RoPE is scaled for `max_len` tokens by `rope_scaling`
     (model.rope.scaled_for: the command line's rule), said in one line when it is."""
@@ -57,7 +59,7 @@ def load(target: str | Path, draft: str | Path | None = "self", dtype: str | tor
         if note:
             log.warning(note)
     model = load_model(target, dtype, device, cfg, max_len, rank, world_size, progress)
-    tokenizer = load_tokenizer(target)
+    tokenizer = tokenizer or load_tokenizer(target)
     drafter, self_rotary = None, None
     if draft in (None, "self"):
         native = ModelConfig.from_folder(target)
@@ -65,8 +67,7 @@ def load(target: str | Path, draft: str | Path | None = "self", dtype: str | tor
             self_rotary = Rotary(native)
     else:
         draft_cfg = ModelConfig.from_folder(draft)
-        draft_tok = load_tokenizer(draft)
-        if not same_tokenizer(tokenizer, draft_tok):
+        if not (same_tokenizer_files(target, draft) or same_tokenizer(tokenizer, load_tokenizer(draft))):
             raise UserError(f"the drafter {draft} uses a different tokenizer from the target {target}; "
                             f"pick a drafter of the same model family or --draft self")
         drafter = load_model(draft, dtype, device, draft_cfg)
@@ -97,7 +98,7 @@ def generate(target: str | Path | Loaded, draft: str | Path | None, prompt: str 
             raise UserError(f"{needed} tokens exceed the {loaded.target_config.max_positions} positions the model was "
                             f"loaded for; load(..., max_len={needed}) applies RoPE scaling, or shorten the prompt")
     else:
-        tokenizer = load_tokenizer(target)
+        tokenizer = tokenizer or load_tokenizer(target)
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         needed = len(ids) + config.max_new_tokens
         loaded = load(target, draft, dtype, device, max_len=needed, rope_scaling=rope_scaling)

@@ -7,7 +7,7 @@ from model.config import ModelConfig
 from model.loader import load_model
 from model.rope import rope_frequencies
 
-from .conftest import hf_config, save_tiny
+from .conftest import hf_config, save_tiny, save_tokenizer
 
 CASES = {
     "llama-gqa": dict(model_type="llama"),
@@ -67,3 +67,14 @@ def test_streaming_cache_matches_short_context(tmp_path):
     visible = torch.cat((tokens[:sinks], tokens[200 - recent:200]))
     fresh = model(visible, FullCache(model.kv_shape(), 64))[-5:]
     assert (out - fresh).abs().max().item() < 1e-5  # cos/sin are float32
+
+
+def test_identical_tokenizer_files_need_no_second_load(tmp_path):
+    from model.loader import same_tokenizer_files
+
+    for name, vocab in (("a", 64), ("b", 64), ("c", 80)):
+        save_tokenizer(tmp_path / name, vocab=vocab)
+    assert same_tokenizer_files(tmp_path / "a", tmp_path / "b")
+    assert not same_tokenizer_files(tmp_path / "a", tmp_path / "c")  # then the vocabularies are compared
+    (tmp_path / "b" / "tokenizer_config.json").unlink()
+    assert not same_tokenizer_files(tmp_path / "a", tmp_path / "b")
