@@ -98,10 +98,10 @@ def generate(target: str | Path | Loaded, draft: str | Path | None, prompt: str 
             raise UserError(f"{needed} tokens exceed the {loaded.target_config.max_positions} positions the model was "
                             f"loaded for; load(..., max_len={needed}) applies RoPE scaling, or shorten the prompt")
     else:
-        tokenizer = tokenizer or load_tokenizer(target)
+        tokenizer = load_tokenizer(target)
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         needed = len(ids) + config.max_new_tokens
-        loaded = load(target, draft, dtype, device, max_len=needed, rope_scaling=rope_scaling)
+        loaded = load(target, draft, dtype, device, max_len=needed, rope_scaling=rope_scaling, tokenizer=tokenizer)
     mode, note = mode_for_prompt(mode, config.budget, config.chunk_size, len(ids))
     if note:
         log.warning(note)
