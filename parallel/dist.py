@@ -92,6 +92,14 @@ class TensorParallel:
         flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
         return self.all_reduce(flag).item() == 0
 
+    def follow_main(self, value: int) -> int:
+        """Rank 0's value on every rank (one small all-reduce: the others add zero). An adaptive
+        generator's plan: ranks time their passes differently but must run the same one."""
+        if self.group is None:
+            return value
+        box = torch.tensor([float(value) if self.rank == 0 else 0.0], device=self.device)
+        return int(self.all_reduce(box).item())
+
     def share(self, read):
         """read() on rank 0, its (picklable) result on every rank: under torchrun only rank 0 has the
         terminal, and the other ranks follow what it read."""

@@ -35,7 +35,7 @@ try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, n
     from scripts.chat_book import Book, ChatOptions, load_or_prefill, prepare_book, stop_ids  # noqa: E402
     from scripts.common import (add_engine_args, add_model_args, generation_plan, read_text,  # noqa: E402
                                 replace, run_cli, run_config)
-    from scripts.session import open_session, print_stats_table  # noqa: E402
+    from scripts.session import modes_text, open_session, print_stats_table  # noqa: E402
     from speculative import ModelConfig, UserError  # noqa: E402
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
@@ -58,7 +58,7 @@ def parse_args(argv) -> ChatOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--book", required=True, help="a UTF-8 text file")
     add_model_args(p)
-    add_engine_args(p)
+    add_engine_args(p, adaptive=True)
     g = p.add_argument_group("chat")
     g.add_argument("--room", type=int, default=2048, help="tokens kept for the conversation after the book "
                    "(default %(default)s); /reset frees them")
@@ -192,6 +192,8 @@ def summary(a: Answer, max_new_tokens: int) -> str:
     acc = [f"{k.replace('->', '→')} {v:.2f}" for k, v in s.to_dict()["acceptance"].items() if v is not None]
     if acc:
         parts.append("acceptance " + ", ".join(acc))
+    if s.modes:
+        parts.append("passes: " + modes_text(s.modes))
     parts.append(f"{a.seconds:.1f} s")
     parts += {"interrupted": ["stopped"], "length": [f"cut at {max_new_tokens} (--max-new-tokens)"]}.get(a.status, [])
     return " · ".join(parts)

@@ -46,9 +46,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto: int8 on CPU, same on a GPU")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, adaptive: bool | None = None) -> None:
+    """The generation flags; `adaptive`: the default of --adaptive, None for a tool that measures
+    each mode as it is (bench, sweep), which has no such flag."""
     g = p.add_argument_group("generation")
     g.add_argument("--mode", default="triforce", choices=["autoregressive", "speculative", "retrieval", "triforce"])
+    if adaptive is not None:
+        g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=adaptive,
+                       help="before each full-cache pass, run whichever mode made of --mode's levels (and "
+                            "gamma up to --gamma2) this run's own timings and acceptance say is cheapest per "
+                            "token; lossless either way, but a seed then fixes a sampled run's distribution, "
+                            "not its text (default: on)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: the checkpoint's generation_config.json, greedy if it has none)")
@@ -105,6 +113,7 @@ class RunConfig:
     sinks: int
     rebuild_threshold: float
     prefill_chunk: int
+    adaptive: bool = False
 
 
 def run_config(args: argparse.Namespace, sampling: str = "greedy", **derived) -> RunConfig:
@@ -114,7 +123,7 @@ def run_config(args: argparse.Namespace, sampling: str = "greedy", **derived) ->
     sampling: what fills --temperature / --top-p / --top-k left out: "checkpoint" (generate, chat:
     the checkpoint's generation_config.json), "model" (temperature 1: the model's own distribution)
     or "greedy" (measuring tools compare engines token for token)."""
-    given = {f.name: getattr(args, f.name) for f in fields(RunConfig)}
+    given = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
     chosen = {"checkpoint": lambda: defaults.checkpoint_sampling(args.model), "model": lambda: {"temperature": 1.0},
               "greedy": lambda: {"temperature": 0.0}}[sampling]()
     for name, fallback in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
@@ -165,7 +174,8 @@ def generation_config(run: RunConfig, prompt_len: int, console=None):
         gamma1=run.gamma1 if run.gamma1 is not None else max(g1, 1),
         gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
         draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
-        prefill_chunk=run.prefill_chunk)  # None: the device's default piece (GenerationConfig.prefill_piece)
+        prefill_chunk=run.prefill_chunk,  # None: the device's default piece (GenerationConfig.prefill_piece)
+        adaptive=run.adaptive)
 
 
 def generation_plan(run: RunConfig, prompt_len: int, console=None):

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from speculative.adaptive import seconds_per_token, tokens_per_verification  # noqa: F401 (re-exported)
+
 GB = 1e9
 
 
@@ -152,16 +154,6 @@ class Setting:
                 raise ValueError(f"acceptance rates are in [0, 1] (got {a})")
 
 
-def tokens_per_verification(a: float, gamma: int) -> float:
-    """Expected tokens one verification of `gamma` proposals yields when each is accepted with rate a
-    independently: 1 + a + ... + a^gamma = (1 - a^(gamma+1)) / (1 - a)."""
-    if gamma < 0 or not 0 <= a <= 1:
-        raise ValueError(f"need gamma >= 0 and a in [0, 1] (got {gamma}, {a})")
-    if a == 1:
-        return gamma + 1.0
-    return (1 - a ** (gamma + 1)) / (1 - a)
-
-
 def onchip_layers(s: Setting, budget: int | None = None, with_drafter: bool = True) -> int:
     """Layers of the full KV cache that fit in GPU memory after weights, the retrieval cache, the
     drafter and the reserve (per GPU, tensor-parallel shards), unless the hardware fixes the count."""
@@ -249,28 +241,15 @@ def triforce(s: Setting, onchip: int | None = None) -> Prediction:
 # ------------------------------------------------------------------------------ measured pass costs
 def ms_per_token_from_passes(mode: str, ms: dict, accept: dict, gamma1: int, gamma2: int) -> float:
     """Milliseconds per token of `mode` from measured milliseconds per pass of each level (ms: draft,
-    middle, verify) and acceptance rates (accept: draft->verify, draft->middle, middle->verify):
-
-        autoregressive  verify
-        speculative     (gamma1 draft + verify) / E(a_draft->verify, gamma1)
-        retrieval       (gamma2 middle + verify) / E(a_middle->verify, gamma2)
-        triforce        (gamma2 / E(a_draft->middle, gamma1) x (gamma1 draft + middle) + verify)
-                        / E(a_middle->verify, gamma2)
+    middle, verify; one figure per level, whatever the tokens fed) and acceptance rates (accept:
+    draft->verify, draft->middle, middle->verify), by the arithmetic the adaptive generator
+    chooses with (speculative.adaptive.seconds_per_token; speculative runs gamma1 drafts per pass).
 
     A third level pays when its middle tokens, each costing (gamma1 draft + middle) / E1, are cheap
     enough next to the full pass that the longer runs it buys (E2 over E of the drafter alone) win:
     triforce beats speculative exactly when this function says so for both."""
-    e = tokens_per_verification
-    if mode == "autoregressive":
-        return ms["verify"]
-    if mode == "speculative":
-        return (gamma1 * ms["draft"] + ms["verify"]) / e(accept["draft->verify"], gamma1)
-    if mode == "retrieval":
-        return (gamma2 * ms["middle"] + ms["verify"]) / e(accept["middle->verify"], gamma2)
-    if mode == "triforce":
-        per_middle_token = (gamma1 * ms["draft"] + ms["middle"]) / e(accept["draft->middle"], gamma1)
-        return (gamma2 * per_middle_token + ms["verify"]) / e(accept["middle->verify"], gamma2)
-    raise ValueError(f"unknown mode {mode!r}")
+    gamma = gamma1 if mode == "speculative" else gamma2
+    return seconds_per_token(mode, gamma, gamma1, lambda level, n: ms[level], lambda edge: accept[edge])
 
 
 # ------------------------------------------------------------------------------ published calibration

@@ -31,7 +31,7 @@ class GenerateOptions:
 def parse_args(argv) -> GenerateOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    add_engine_args(p)
+    add_engine_args(p, adaptive=True)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="a text file (a whole book is fine); default: an embedded book prefix")

@@ -142,8 +142,9 @@ class Session:
 
             factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_piece(self.device),
                                          onchip_layers=onchip_layers(self.run), chunk_tokens=self.run.offload_chunk)
+        agree = self.dist.follow_main if self.dist and self.dist.world_size > 1 else None
         gen = Generator(models or self.loaded.models, cfg, mode or self.run.mode, max_len=max_len,
-                        full_cache_factory=factory, prefilled=prefilled)
+                        full_cache_factory=factory, prefilled=prefilled, agree=agree)
         self._last_full_cache = gen.full.cache
         if self.run.cuda_graphs:
             if not str(self.device).startswith("cuda"):
@@ -158,7 +159,7 @@ class Session:
         d = stats.to_dict()
         acc = d["acceptance"]
         return {
-            "mode": run.mode, "model": run.model, "draft": None if run.mode in ("autoregressive", "retrieval") else self.draft,
+            "mode": run.mode, "adaptive": run.adaptive, "modes": d["modes"], "model": run.model, "draft": None if run.mode in ("autoregressive", "retrieval") else self.draft,
             "prompt_tokens": stats.prompt_tokens, "new_tokens": len(tokens), "tokens": tokens, "text": text,
             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
             "tokens_per_second": stats.tokens_per_second,
@@ -199,6 +200,11 @@ class Session:
             self.dist.close()
 
 
+def modes_text(modes: dict) -> str:
+    """An adaptive run's full-cache passes per mode, most used first: 'triforce 40, autoregressive 3'."""
+    return ", ".join(f"{m} {n}" for m, n in sorted(modes.items(), key=lambda kv: -kv[1]))
+
+
 def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "same", device=None,
                       choices: list[tuple[str, str]] = ()) -> None:
     """The statistics of one generation. With an offloaded full cache (bytes moved counted) the
@@ -208,12 +214,15 @@ def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "
     from scripts.measure import level_ms_per_pass, link_floor
 
     d = stats.to_dict()
-    table = Table(title=f"{mode}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
+    title = f"{mode}, adaptive" if stats.modes else mode
+    table = Table(title=f"{title}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
     table.add_column("statistic")
     table.add_column("value", justify="right")
     rows = [("prefill", f"{stats.prefill_seconds:.2f} s"), ("decode", f"{stats.decode_seconds:.2f} s"),
             ("decode tokens/s", _fmt(stats.tokens_per_second)),
             ("tokens per full-cache pass", _fmt(stats.tokens_per_full_pass)), ("full-cache passes", str(stats.full_passes))]
+    if d["modes"]:
+        rows.append(("full-cache passes per mode", modes_text(d["modes"])))
     for key, value in d["acceptance"].items():
         rows.append((f"acceptance {key}", _fmt(value, 3)))
     for level in ("draft", "middle", "verify"):

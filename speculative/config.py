@@ -35,6 +35,11 @@ class GenerationConfig:
     sink_tokens: int = 4
     draft_window: int = 256
     prefill_chunk: int | None = None  # prompt tokens per prefill forward; None: prefill_piece(device)
+    # each full pass runs whichever mode of the built levels measures cheapest (speculative/adaptive.py).
+    # Lossless either way, but which passes ran depends on timings, so a seed fixes a sampled run's
+    # distribution, not its text. Off here (an engine asked for a mode runs that mode: tests, benchmarks);
+    # generate.py and chat.py turn it on (--adaptive, their default)
+    adaptive: bool = False
     stop_on_eos: bool = False
     extra: dict = field(default_factory=dict)
 

@@ -16,6 +16,9 @@ The top level verifies gamma proposals per pass against the full cache and commi
     speculative     drafter + StreamingLLM cache
     retrieval       target + retrieval cache
     triforce        target + retrieval cache, fed by drafter + StreamingLLM cache
+
+With `adaptive`, a generator builds the mode's levels and before each full pass picks whichever of
+the modes those levels make (and its gamma) its measurements predict cheapest (adaptive.py).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 from model.errors import UserError
 from model.transformer import Transformer
 
+from .adaptive import SUB_MODES, Chooser
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
 from .models import CacheSizes, Models, Prefilled, self_drafter
@@ -48,6 +52,7 @@ class Level:
     def __init__(self, name: str, model: Transformer, cache, stats: Stats):
         self.name, self.model, self.cache, self.stats = name, model, cache, stats
         self.tokens: list[int] = []
+        self.meter: Chooser | None = None  # an adaptive generator's chooser, which times decode passes
 
     def common_prefix(self, context: list[int], stable: int) -> int:
         """Length of the shared prefix of self.tokens and context; both agree below `stable`."""
@@ -83,7 +88,10 @@ class Level:
             self.cache.rollback(len(self.tokens))  # a half-done forward (e.g. Ctrl-C) leaves no trace
             raise
         synchronize(device)
-        self.stats.add_pass(self.name, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.stats.add_pass(self.name, seconds)
+        if self.meter is not None and self.stats.phase != "prefill":
+            self.meter.costs.record(self.name, len(feed), seconds)
         return torch.cat(logits)[-n_out:]
 
     def rollback(self, length: int) -> None:
@@ -145,6 +153,8 @@ class SpeculativeProposer:
             logits = self.level.run(context + tokens + drafts, len(drafts) + 1, stable)
             accepted, nxt, probs = self.sampling.verify(drafts, draft_probs, logits)
             self.level.stats.add_acceptance(self.key, len(drafts), accepted)
+            if self.level.meter is not None:
+                self.level.meter.acceptance.record(self.key, len(drafts), accepted)
             tokens += drafts[:accepted] + [nxt]
             origins += self.source.origins[:accepted] + [self.level.name]
             if probs is not None:
@@ -157,9 +167,13 @@ class Generator:
     """A stateful generation session: prefill once, then generate (and extend, for chat)."""
 
     def __init__(self, models: Models, cfg: GenerationConfig, mode: str, max_len: int,
-                 full_cache_factory: Callable | None = None, prefilled: "Prefilled | None" = None):
+                 full_cache_factory: Callable | None = None, prefilled: "Prefilled | None" = None,
+                 agree: Callable[[int], int] | None = None):
         """full_cache_factory(shape, slots, reserve_bytes) makes the full cache (default: a FullCache on
-        the target's device); `reserve_bytes` is what the other caches will take after it."""
+        the target's device); `reserve_bytes` is what the other caches will take after it. With
+        cfg.adaptive each full pass runs the cheapest mode `mode`'s levels make, as measured
+        (adaptive.Chooser); agree(i) returns rank 0's i under tensor parallelism, so that every rank
+        runs the same plan."""
         if mode not in MODES:
             raise UserError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
         self.models, self.cfg, self.mode, self.max_len = models, cfg, mode, max_len
@@ -188,7 +202,15 @@ class Generator:
             cache = StreamingCache(drafter.kv_shape(), drafter.rotary, sizes.sinks, sizes.window,
                                    slack=sizes.streaming_slack)
             self.drafter = Level("draft", drafter, cache, self.stats)
-        self.proposer, self.gamma = self._compose()
+        self.chooser = None
+        if cfg.adaptive and len(SUB_MODES[mode]) > 1:
+            self.chooser = Chooser(SUB_MODES[mode], cfg.gamma1, cfg.gamma2, agree)
+            for level in (self.full, self.middle, self.drafter):
+                if level is not None:
+                    level.meter = self.chooser
+        self.proposers = {m: self._compose(m) for m in SUB_MODES[mode]}
+        self.proposer, self.gamma = self.proposers[mode]
+        self.step_mode = mode  # the mode of the last full pass
         self.context: list[int] = []
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
         if prefilled:
@@ -229,13 +251,14 @@ class Generator:
         finally:
             self.stats.phase = "decode"
 
-    def _compose(self):
+    def _compose(self, mode: str):
+        """(proposer under the full cache, its tokens per full pass) of `mode` from this generator's levels."""
         cfg, s = self.cfg, self.sampling
-        if self.mode == "autoregressive":
+        if mode == "autoregressive":
             return None, 0
-        if self.mode == "speculative":
+        if mode == "speculative":
             return AutoregressiveProposer(self.drafter, s), cfg.gamma1
-        if self.mode == "retrieval":
+        if mode == "retrieval":
             return AutoregressiveProposer(self.middle, s), cfg.gamma2
         drafts = AutoregressiveProposer(self.drafter, s)
         return SpeculativeProposer(self.middle, drafts, cfg.gamma1, s, "draft->middle"), cfg.gamma2
@@ -370,28 +393,38 @@ class Generator:
     def step(self) -> list[int]:
         """One full-cache pass: propose, verify, commit. Returns the newly committed tokens."""
         stable = self.committed - 1
-        if self.proposer is None:
+        mode, gamma = self.mode, self.gamma
+        if self.chooser is not None:
+            plan = self.chooser.choose()
+            mode, gamma = plan.mode, plan.gamma
+            self.stats.add_mode(mode)
+        proposer = self.proposers[mode][0]
+        if proposer is None:
             drafts, draft_probs = [], None
         else:
-            drafts, draft_probs = self.proposer.propose(self.context, self.gamma, stable)
+            drafts, draft_probs = proposer.propose(self.context, gamma, stable)
         logits = self.full.run(self.context + drafts, len(drafts) + 1, stable)
         accepted, nxt, _ = self.sampling.verify(drafts, draft_probs, logits)
         if drafts:
-            proposer = "draft" if self.mode == "speculative" else "middle"
-            self.stats.add_acceptance(f"{proposer}->verify", len(drafts), accepted)
+            edge = ("draft" if mode == "speculative" else "middle") + "->verify"
+            self.stats.add_acceptance(edge, len(drafts), accepted)
+            if self.chooser is not None:
+                self.chooser.acceptance.record(edge, len(drafts), accepted)
         new = drafts[:accepted] + [nxt]
-        self.origins = (self.proposer.origins[:accepted] if drafts else []) + [self.full.name]
+        self.origins = (proposer.origins[:accepted] if drafts else []) + [self.full.name]
+        self.step_mode = mode
         self.context += new
         self.committed = len(self.context)
         self.full.rollback(self.committed - 1)
         if self.middle is not None:
-            self._update_middle(accepted, len(drafts))
+            self._update_middle(accepted, len(drafts) if mode in ("retrieval", "triforce") else 0)
         return new
 
     def _update_middle(self, accepted: int, proposed: int) -> None:
         """Copy exact KV of committed tokens into the retrieval cache, or rebuild it."""
         n = self.committed - 1
-        self.rebuilds.record(accepted, proposed)
+        if proposed:  # a pass the middle level proposed for tells how well its retrieval still serves
+            self.rebuilds.record(accepted, proposed)
         if self.rebuilds.due(self.middle.cache, n):
             self._rebuild(query_index=accepted)  # the query of the last committed token
         else:

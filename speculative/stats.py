@@ -21,6 +21,7 @@ class Stats:
     seconds: dict = field(default_factory=lambda: defaultdict(float))
     proposed: dict = field(default_factory=lambda: defaultdict(int))
     accepted: dict = field(default_factory=lambda: defaultdict(int))
+    modes: dict = field(default_factory=lambda: defaultdict(int))  # full passes per mode (adaptive runs)
 
     def add_pass(self, level: str, seconds: float) -> None:
         if self.phase == "prefill":
@@ -31,6 +32,9 @@ class Stats:
     def add_acceptance(self, key: str, proposed: int, accepted: int) -> None:
         self.proposed[key] += proposed
         self.accepted[key] += accepted
+
+    def add_mode(self, mode: str) -> None:
+        self.modes[mode] += 1
 
     def acceptance(self, key: str) -> float | None:
         return self.accepted[key] / self.proposed[key] if self.proposed.get(key) else None
@@ -62,4 +66,5 @@ class Stats:
             "seconds": {k: self.seconds.get(k, 0.0) for k in LEVEL_ORDER},
             "rebuilds": self.rebuilds,
             "bytes_moved": self.bytes_moved,
+            "modes": dict(self.modes),
         }

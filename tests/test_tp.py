@@ -8,6 +8,7 @@ through scripts/launch_tp.sh) and kill or stop one of them.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -109,6 +110,23 @@ def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfi
     return out
 
 
+def adaptive(target, drafter, dist) -> dict:
+    """Sampled adaptive triforce. Rank 1's own choices are scrambled, as if its timings differed from
+    rank 0's: through `agree` it must still run rank 0's plans and draw rank 0's tokens."""
+    ids = tokens(96, seed=2)
+    cfg = replace(SAMPLED, adaptive=True)
+    gen = Generator(Models(target, drafter), cfg, "triforce", len(ids) + cfg.max_new_tokens,
+                    agree=dist.follow_main if dist is not None else None)
+    chooser, plans = gen.chooser, []
+    if dist is not None and dist.rank == 1:
+        scramble = random.Random(1)
+        chooser._choose = lambda: scramble.choice(chooser.plans)
+    choose = chooser.choose
+    chooser.choose = lambda: plans.append(choose()) or plans[-1]
+    gen.prefill(ids)
+    return {"tokens": gen.generate(), "plans": plans}
+
+
 def compute(folders: dict, rank: int, world: int, dist=None) -> dict:
     results = {"logits": {name: logits_of(folders[name], rank, world, dist) for name in LOGIT_MODELS}}
     target, drafter = models_for(folders[GEN_MODEL], rank, world, dist)
@@ -116,6 +134,7 @@ def compute(folders: dict, rank: int, world: int, dist=None) -> dict:
                          for mode, d in ENGINES for off in OFFLOAD}
     results["sampled"] = {(mode, d): generate(target, drafter, mode, d, SAMPLED, False)["tokens"]
                           for mode, d in ENGINES}
+    results["adaptive"] = adaptive(target, drafter, dist)
     results["int8"] = generate(target, drafter, "triforce", False, GREEDY, False, lower=int8_twin(target))["tokens"]
     results["long"] = {mode: generate(target, drafter, mode, True, LONG, offload=mode == "triforce" and bool(OFFLOAD[-1]))
                        for mode in ("autoregressive", "triforce")}
@@ -245,6 +264,12 @@ def test_sampled_tokens_match(runs, mode, use_drafter):
     ranks = [r["sampled"][(mode, use_drafter)] for r in runs[2]]
     assert ranks[0] == ranks[1] == one
     assert one != runs[1]["greedy"][(mode, use_drafter, False)]["tokens"]  # it did sample
+
+
+def test_adaptive_ranks_run_rank_0s_plans(runs):
+    ranks = [r["adaptive"] for r in runs[2]]
+    assert ranks[0]["plans"] == ranks[1]["plans"] and ranks[0]["tokens"] == ranks[1]["tokens"]
+    assert len({plan.mode for plan in ranks[0]["plans"]}) == 4  # every mode ran at least once
 
 
 def test_consistency_check_catches_diverging_ranks(runs):

@@ -1,0 +1,196 @@
+"""Adaptive decoding: each full-cache pass takes the proposer that this run's own measurements say
+costs least per committed token.
+
+Every mode is lossless on its own - what one full-cache pass commits is distributed exactly as the
+target's autoregressive output, whichever proposer drafted it - so choosing the proposer afresh
+before each pass changes the speed and never the output distribution. Which mode is fastest is not
+knowable in advance: at 105K tokens on a 2-core CPU a 4-token verification costs 1.7x a 1-token
+pass and triforce lost to plain decoding (README, 2026-11-23), on a GPU streaming the KV the full
+pass dwarfs the rest and triforce wins 2-3x, and acceptance moves with the text.
+
+So the generator times every pass (seconds against tokens fed, per level) and counts acceptance
+per edge (draft->middle, draft->verify, middle->verify), and before each full pass predicts the
+milliseconds per token of every sub-hierarchy of the levels it built, at every gamma up to the
+configured one, with the arithmetic below; it runs the cheapest. Each mode is tried once first, and
+a mode left unused for its probe interval is run once to refresh what it knows, which bounds what a
+stale estimate can cost; the interval doubles (PROBE_EVERY up to PROBE_MAX passes) each time a mode
+is probed and starts again from PROBE_EVERY when the mode wins, so a mode that keeps losing costs
+ever less.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+# the modes a hierarchy can run: a mode and every mode made of a subset of its levels
+SUB_MODES = {"triforce": ("triforce", "retrieval", "speculative", "autoregressive"),
+             "retrieval": ("retrieval", "autoregressive"),
+             "speculative": ("speculative", "autoregressive"),
+             "autoregressive": ("autoregressive",)}
+
+
+def tokens_per_verification(a: float, gamma: int) -> float:
+    """Expected tokens one verification of `gamma` proposals yields when each is accepted with rate a
+    independently: 1 + a + ... + a^gamma = (1 - a^(gamma+1)) / (1 - a)."""
+    if gamma < 0 or not 0 <= a <= 1:
+        raise ValueError(f"need gamma >= 0 and a in [0, 1] (got {gamma}, {a})")
+    if a == 1:
+        return gamma + 1.0
+    return (1 - a ** (gamma + 1)) / (1 - a)
+
+
+def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, int], float],
+                      accept: Callable[[str], float]) -> float:
+    """Seconds per committed token of `mode` proposing `gamma` tokens per full pass; cost(level, n) is
+    a pass of `level` over n tokens, accept(edge) the rate one proposal is accepted at:
+
+        autoregressive  verify(1)
+        speculative     (gamma draft(1) + verify(gamma+1)) / E(a_draft->verify, gamma)
+        retrieval       (gamma middle(1) + verify(gamma+1)) / E(a_middle->verify, gamma)
+        triforce        (gamma m + verify(gamma+1)) / E(a_middle->verify, gamma), where a middle
+                        token costs m = (gamma1 draft(1) + middle(gamma1+1)) / E(a_draft->middle, gamma1)
+    """
+    e = tokens_per_verification
+    if mode == "autoregressive":
+        return cost("verify", 1)
+    if mode == "speculative":
+        return (gamma * cost("draft", 1) + cost("verify", gamma + 1)) / e(accept("draft->verify"), gamma)
+    if mode == "retrieval":
+        return (gamma * cost("middle", 1) + cost("verify", gamma + 1)) / e(accept("middle->verify"), gamma)
+    if mode == "triforce":
+        per_middle_token = (gamma1 * cost("draft", 1) + cost("middle", gamma1 + 1)) / e(accept("draft->middle"), gamma1)
+        return (gamma * per_middle_token + cost("verify", gamma + 1)) / e(accept("middle->verify"), gamma)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def needs(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(levels timed, acceptance edges counted) before `mode` can be predicted."""
+    return {"autoregressive": (("verify",), ()),
+            "speculative": (("draft", "verify"), ("draft->verify",)),
+            "retrieval": (("middle", "verify"), ("middle->verify",)),
+            "triforce": (("draft", "middle", "verify"), ("draft->middle", "middle->verify"))}[mode]
+
+
+def max_gamma(mode: str, gamma1: int, gamma2: int) -> int:
+    """The longest run of proposals per full pass a mode is tried with: gamma2 for the middle level's
+    runs; the drafter alone as long as either (a speculative-only run's configured length is gamma1)."""
+    return {"autoregressive": 0, "speculative": max(gamma1, gamma2)}.get(mode, gamma2)
+
+
+class PassCosts:
+    """Seconds per pass of each level as a function of the tokens it feeds: a moving average per
+    token count, and between or beyond measured counts the least-squares line through them (a pass
+    reads the weights once and attends once per token fed, so cost grows about linearly)."""
+
+    def __init__(self, decay: float = 0.7):
+        self.decay = decay
+        self.mean: dict[str, dict[int, float]] = defaultdict(dict)
+
+    def record(self, level: str, tokens: int, seconds: float) -> None:
+        old = self.mean[level].get(tokens)
+        self.mean[level][tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def known(self, level: str) -> bool:
+        return bool(self.mean.get(level))
+
+    def estimate(self, level: str, tokens: int) -> float:
+        points = self.mean[level]
+        if tokens in points:
+            return points[tokens]
+        if len(points) == 1:
+            return next(iter(points.values()))
+        n = len(points)
+        mx, my = sum(points) / n, sum(points.values()) / n
+        slope = sum((x - mx) * (y - my) for x, y in points.items()) / sum((x - mx) ** 2 for x in points)
+        return max(my + max(slope, 0.0) * (tokens - mx), min(points.values()))
+
+
+class Acceptance:
+    """Per edge, the rate one proposal is accepted at, from the last WINDOW verifications. A pass that
+    accepts k of g proposals saw k successes and, when k < g, one failure (nothing after the first
+    rejection was tried), so the rate is successes / (successes + failures), with one of each as
+    a prior so that a short history never reads 0 or 1."""
+
+    WINDOW = 16
+
+    def __init__(self):
+        self.recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+
+    def record(self, edge: str, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.recent[edge].append((accepted, int(accepted < proposed)))
+
+    def known(self, edge: str) -> bool:
+        return bool(self.recent.get(edge))
+
+    def rate(self, edge: str) -> float:
+        history = self.recent[edge]
+        successes = sum(s for s, _ in history)
+        failures = sum(f for _, f in history)
+        return (successes + 1) / (successes + failures + 2)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    gamma: int  # tokens proposed per full pass (0: autoregressive)
+
+
+class Chooser:
+    """Picks the plan of each full pass. `agree(index)` makes the ranks of a tensor-parallel group
+    follow rank 0's choice (their timings differ, their tokens must not)."""
+
+    PROBE_EVERY, PROBE_MAX = 16, 256  # full passes a mode may go unused before it is run once again
+
+    def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None):
+        self.modes, self.gamma1, self.agree = modes, gamma1, agree
+        self.plans = [Plan(m, g) for m in modes for g in range(1 if m != "autoregressive" else 0,
+                                                                 max_gamma(m, gamma1, gamma2) + 1)]
+        self.costs, self.acceptance = PassCosts(), Acceptance()
+        self.passes = 0
+        self.last_used = {m: None for m in modes}
+        self.interval = {m: self.PROBE_EVERY for m in modes}
+
+    def known(self, mode: str) -> bool:
+        levels, edges = needs(mode)
+        return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
+
+    def predict(self, plan: Plan) -> float:
+        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate)
+
+    def best(self, mode: str | None = None) -> Plan:
+        """The plan predicted cheapest (of `mode`'s plans when given); a mode not measured yet runs
+        its longest plan."""
+        plans = [p for p in self.plans if mode in (None, p.mode)]
+        measured = [p for p in plans if self.known(p.mode)]
+        return min(measured, key=self.predict) if measured else max(plans, key=lambda p: p.gamma)
+
+    def choose(self) -> Plan:
+        plan = self._choose()
+        if self.agree is not None:
+            plan = self.plans[self.agree(self.plans.index(plan))]
+        self.passes += 1
+        self.last_used[plan.mode] = self.passes
+        return plan
+
+    def _choose(self) -> Plan:
+        for mode in self.modes:  # the first passes: every mode once, at its longest gamma
+            if self.last_used[mode] is None:
+                return self.best(mode)
+        for mode in self.modes:
+            if self.passes - self.last_used[mode] >= self.interval[mode]:
+                self.interval[mode] = min(2 * self.interval[mode], self.PROBE_MAX)
+                return self.best(mode)
+        plan = self.best()
+        self.interval[plan.mode] = self.PROBE_EVERY
+        return plan
+
+    def summary(self) -> dict:
+        """What the chooser believes now: predicted ms per token of each mode at its best gamma."""
+        out = {}
+        for mode in self.modes:
+            if self.known(mode):
+                plan = self.best(mode)
+                out[mode] = {"gamma": plan.gamma, "ms_per_token": 1000 * self.predict(plan)}
+        return out

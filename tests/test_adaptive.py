@@ -1,0 +1,204 @@
+"""The adaptive generator: its arithmetic, its choices on known costs, and that switching modes pass
+by pass stays lossless - greedy tokens identical to autoregressive decoding (float64), sampled
+tokens with exactly the target's distribution (chi-square against enumeration, test_sampling.py)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from speculative import GenerationConfig, Generator, Models, generate_ids
+from speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCosts, Plan, seconds_per_token
+from model.loader import load_model
+from speculative.sampling import Sampler
+
+from .cli import run
+from .conftest import save_tiny
+from .test_sampling import PROMPT as SAMPLING_PROMPT, SETTINGS as SAMPLING_SETTINGS
+from .test_sampling import chi_square_rejects, exact_joint, models  # noqa: F401 (models: a fixture)
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def test_acceptance_counts_one_failure_per_rejection():
+    a = Acceptance()
+    a.record("middle->verify", proposed=4, accepted=4)  # 4 successes, nothing rejected
+    a.record("middle->verify", proposed=4, accepted=1)  # 1 success, then a rejection; 2 never tried
+    assert a.rate("middle->verify") == pytest.approx((5 + 1) / (5 + 1 + 2))
+    a.record("draft->verify", proposed=0, accepted=0)  # an autoregressive pass proposes nothing
+    assert not a.known("draft->verify")
+
+
+def test_acceptance_forgets_old_passes():
+    a = Acceptance()
+    for _ in range(Acceptance.WINDOW):
+        a.record("e", 3, 0)
+    low = a.rate("e")
+    for _ in range(Acceptance.WINDOW):
+        a.record("e", 3, 3)
+    assert low < 0.1 and a.rate("e") > 0.95
+
+
+def test_pass_costs_fit_a_line_between_and_beyond_measured_sizes():
+    c = PassCosts()
+    c.record("verify", 1, 0.8)
+    c.record("verify", 4, 1.4)
+    assert c.estimate("verify", 1) == 0.8 and c.estimate("verify", 4) == 1.4
+    assert c.estimate("verify", 2) == pytest.approx(1.0) and c.estimate("verify", 7) == pytest.approx(2.0)
+    c.record("draft", 1, 0.05)
+    assert c.estimate("draft", 3) == 0.05  # one size measured: the same cost for any size
+
+
+def test_seconds_per_token_matches_the_cost_model():
+    from scripts.costmodel import ms_per_token_from_passes
+
+    ms = {"draft": 2.0, "middle": 5.0, "verify": 40.0}
+    acc = {"draft->verify": 0.5, "draft->middle": 0.7, "middle->verify": 0.8}
+    for mode in SUB_MODES["triforce"]:
+        direct = seconds_per_token(mode, 2 if mode == "speculative" else 4, 2,
+                                   lambda level, n: ms[level], lambda e: acc[e])
+        assert ms_per_token_from_passes(mode, ms, acc, gamma1=2, gamma2=4) == pytest.approx(direct)
+    # triforce: a middle token costs (2 x 2 + 5) / (1 + .7 + .49); four of them plus a verify, over E(.8, 4)
+    per_middle = 9 / 2.19
+    assert ms_per_token_from_passes("triforce", ms, acc, 2, 4) == pytest.approx((4 * per_middle + 40) / 3.3616)
+
+
+# ------------------------------------------------------------------------------ choices
+
+
+def teach(chooser: Chooser, verify, draft=0.01, middle=0.02, accept=None):
+    """Feed the chooser measurements: verify(n) seconds per pass, flat draft and middle passes, and per
+    edge a window of single proposals accepted in the proportion given."""
+    for n in range(1, 9):
+        chooser.costs.record("verify", n, verify(n))
+        chooser.costs.record("middle", n, middle)
+        chooser.costs.record("draft", n, draft)
+    for edge, rate in (accept or {}).items():
+        successes = round(rate * Acceptance.WINDOW)
+        for i in range(Acceptance.WINDOW):
+            chooser.acceptance.record(edge, 1, int(i < successes))
+    for mode in chooser.modes:
+        chooser.last_used[mode] = 0
+
+
+def test_choice_follows_the_costs():
+    """A full pass whose cost grows steeply with the tokens it verifies (a CPU at long context) and
+    low acceptance: plain decoding wins. A flat full pass (a GPU streaming KV) and good acceptance:
+    triforce with the longest run."""
+    cpu = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
+    teach(cpu, verify=lambda n: 0.8 + 0.4 * (n - 1), accept={"draft->middle": 0.25, "draft->verify": 0.25,
+                                                            "middle->verify": 0.25})
+    assert cpu.choose() == Plan("autoregressive", 0)
+
+    gpu = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
+    teach(gpu, verify=lambda n: 1.0 + 0.001 * n, draft=0.005, middle=0.05, accept={"draft->middle": 0.75, "draft->verify": 0.25,
+                                                          "middle->verify": 0.75})
+    assert gpu.choose() == Plan("triforce", 6)
+    predicted = gpu.summary()
+    assert predicted["triforce"]["ms_per_token"] < predicted["retrieval"]["ms_per_token"] < predicted["autoregressive"]["ms_per_token"]
+
+
+def test_every_mode_is_tried_first_then_probed_ever_less_often():
+    chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=3)
+    first = [chooser.choose() for _ in range(4)]
+    assert first == [Plan("triforce", 3), Plan("retrieval", 3), Plan("speculative", 3), Plan("autoregressive", 0)]
+    teach(chooser, verify=lambda n: 0.5 * n, accept={"draft->middle": 0.2, "draft->verify": 0.2, "middle->verify": 0.2})
+    modes = [chooser.choose().mode for _ in range(600)]
+    probes = [i for i, m in enumerate(modes) if m == "triforce"]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert modes.count("autoregressive") > 560
+    # each probe doubles the interval before the next (counted from the pass after the probe)
+    assert gaps == [2 * Chooser.PROBE_EVERY * 2 ** i + 1 for i in range(len(gaps))] and gaps[-1] == Chooser.PROBE_MAX + 1
+
+
+def test_agree_makes_every_rank_run_rank_0s_plan():
+    rank0 = Chooser(SUB_MODES["triforce"], 2, 3)
+    rank1 = Chooser(SUB_MODES["triforce"], 2, 3, agree=lambda index: rank0.plans.index(Plan("retrieval", 2)))
+    assert rank1.choose() == Plan("retrieval", 2) and rank1.last_used["retrieval"] == 1
+
+
+# ------------------------------------------------------------------------------ lossless
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adaptive")
+    save_tiny(folder, seed=11, vocab=48, layers=2)
+    target, drafter = load_model(folder, torch.float64), load_model(folder, torch.float64)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.02 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(5)))
+    return target, drafter
+
+
+def scramble(monkeypatch, seed: int) -> None:
+    """Every chooser picks a random plan per pass: all orders of switching get exercised."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(Chooser, "_choose", lambda self: rng.choice(self.plans))
+
+
+@pytest.mark.parametrize("mode", ["triforce", "retrieval", "speculative"])
+@pytest.mark.parametrize("scrambled", [True, False])
+def test_greedy_identical_whatever_the_plans(pair, monkeypatch, mode, scrambled):
+    target, drafter = pair
+    ids = torch.randint(0, 48, (130,), generator=torch.Generator().manual_seed(3)).tolist()
+    cfg = GenerationConfig(max_new_tokens=300, budget=48, chunk_size=8, gamma1=3, gamma2=5,
+                           draft_window=16, sink_tokens=4, adaptive=True)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    if scrambled:
+        scramble(monkeypatch, seed=len(mode))
+    result = generate_ids(Models(target, drafter), ids, mode, cfg)
+    assert result.tokens == reference.tokens
+    assert set(result.stats.modes) == set(SUB_MODES[mode])  # every mode ran: exploration, probes
+    assert sum(result.stats.modes.values()) == result.stats.full_passes
+
+
+def test_sampled_distribution_is_exact_whatever_the_plans(models, monkeypatch):  # noqa: F811
+    """As test_sampling.py: 3,000 seeds, the joint law of tokens 2 and 3 against enumeration, with
+    the plan of each pass drawn at random (a different stream from the sampler's)."""
+    target, drafter = models
+    scramble(monkeypatch, seed=0)
+    cfg = {**SAMPLING_SETTINGS, "adaptive": True}
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    for seed in range(3000):
+        gen = Generator(Models(target, drafter), GenerationConfig(**cfg, seed=seed), "triforce",
+                        max_len=len(SAMPLING_PROMPT) + 8)
+        gen.prefill(SAMPLING_PROMPT)
+        tokens = gen.generate()
+        counts[tokens[1], tokens[2]] += 1
+    exact = exact_joint(target, Sampler(cfg["temperature"]))
+    rejects, stat, critical = chi_square_rejects(counts, exact)
+    assert not rejects, f"chi-square {stat:.1f} > {critical:.1f}: adaptive does not sample the target's distribution"
+
+
+def test_a_chat_generator_keeps_what_it_learned(pair):
+    """The chooser lives with the generator: a second turn starts from the first turn's figures."""
+    target, drafter = pair
+    ids = torch.randint(0, 48, (130,), generator=torch.Generator().manual_seed(4)).tolist()
+    cfg = GenerationConfig(max_new_tokens=20, budget=48, chunk_size=8, adaptive=True)
+    gen = Generator(Models(target, drafter), cfg, "triforce", max_len=400)
+    gen.prefill(ids)
+    gen.generate()
+    before = gen.chooser.passes
+    gen.extend([5, 6, 7])
+    gen.reset_stats()
+    gen.generate()
+    assert gen.chooser.passes > before and all(gen.chooser.known(m) for m in SUB_MODES["triforce"])
+
+
+def test_generate_reports_the_passes_per_mode(tiny_folder):
+    prompt = " ".join(f"t{i % 60 + 3}" for i in range(200))
+    args = ["--model", tiny_folder, "--draft", "self", "--prompt", prompt, "--max-new-tokens", 40,
+            "--temperature", 0, "--budget", 64, "--chunk-size", 8]
+    adaptive = run("generate", *args, "--json")
+    fixed = run("generate", *args, "--json", "--no-adaptive")
+    table = run("generate", *args)
+    for proc in (adaptive, fixed, table):
+        assert proc.returncode == 0, proc.stderr
+    a, f = json.loads(adaptive.stdout), json.loads(fixed.stdout)
+    assert a["tokens"] == f["tokens"]  # greedy: the same tokens whichever passes ran
+    assert a["adaptive"] and set(a["modes"]) == set(SUB_MODES["triforce"]) and sum(a["modes"].values()) == a["full_passes"]
+    assert not f["adaptive"] and f["modes"] == {}
+    assert "triforce, adaptive" in table.stdout and "full-cache passes per mode" in table.stdout
