@@ -36,7 +36,7 @@ reads, from the pass counts) and moved (measured host->device copies, with --off
 --offload host the link floor of a full pass (KV it streamed / pinned host->device bandwidth
 measured in this run; n/a on CPU).
 
-    python scripts/bench.py --quick           # 1K context, 16 tokens, 1 repeat: AR, triforce, hf-generate
+    python scripts/bench.py --quick           # 1K context, 16 tokens, 1 repeat: AR, triforce, adaptive, hf-generate
     python scripts/bench.py --contexts 4096,16384,32768 --new-tokens 128 --out bench.json   # + bench.png
     python scripts/bench.py --model models/qwen2.5-coder-1.5b --contexts 4096,16384 --dtype bfloat16
 """
@@ -56,7 +56,7 @@ from scripts.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add
                             read_text, resolve_rope, run_cli, run_config)
 from scripts.bench_report import hardware, hardware_line, plot, print_table, wide  # noqa: E402
 from scripts.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems  # noqa: E402
-from scripts.measure import (OURS, TIE_ULPS, build_system, first_mismatch, level_ms_per_pass, link_floor,  # noqa: E402
+from scripts.measure import (OURS, TIE_ULPS, build_system, engine_mode, first_mismatch, level_ms_per_pass, link_floor,  # noqa: E402
                              logit_gap_ulps, seed_config, shared_prefill, ties_only, timed_run)
 from scripts.session import open_session  # noqa: E402
 from scripts.traffic import Traffic, bytes_read  # noqa: E402
@@ -69,7 +69,7 @@ DEFAULT_SYSTEMS = ",".join(OURS + HF)
 # transformers' generate(), the peer every user has, each decoding 16 tokens once after a warm-up.
 # One torch thread unless --threads: on a loaded 2-core machine two OpenMP threads wait on each other's
 # time slices (SmolLM2, load 5: 305 s with 2 threads, 52 s with 1).
-QUICK = {"contexts": "1024", "new_tokens": 16, "repeats": 1, "systems": "autoregressive,triforce,hf-generate",
+QUICK = {"contexts": "1024", "new_tokens": 16, "repeats": 1, "systems": "autoregressive,triforce,adaptive,hf-generate",
          "threads": 1}
 
 
@@ -146,8 +146,10 @@ def system_configs(run: RunConfig, systems, prompt_len: int, console=None) -> di
     resolves them (the budget comes out the same for every mode that retrieves); the budget note
     is said once."""
     cfgs = {}
-    for mode in [s for s in systems if s in OURS]:
-        cfgs[mode] = generation_config(replace(run, mode=mode), prompt_len, None if cfgs else console)
+    for system in [s for s in systems if s in OURS]:
+        mode = engine_mode(system)
+        cfgs[system] = generation_config(replace(run, mode=mode, adaptive=mode != system), prompt_len,
+                                         None if cfgs else console)
     return cfgs
 
 
@@ -208,6 +210,7 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "seconds": stats["seconds"] if mode in OURS else None,
         "ms_per_pass": ms_per_pass(mode, stats, seconds),
         "link_floor": link_floor(stats, session.device) if mode in OURS else None,
+        "modes": stats.get("modes") or None,  # an adaptive system's full passes per mode
     }
     return row
 

@@ -11,7 +11,13 @@ import time
 
 from speculative.engine import synchronize
 
-OURS = ("autoregressive", "speculative", "retrieval", "triforce")  # our engines, by mode
+OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems
+ADAPTIVE = {"adaptive": "triforce"}  # an adaptive system -> the mode whose levels it builds
+
+
+def engine_mode(system: str) -> str:
+    """The Generator mode of one of our systems: its own name, or the levels an adaptive one builds."""
+    return ADAPTIVE.get(system, system)
 TIE_ULPS = 4  # a logit gap of at most 4 units in the last place of the dtype (at the top logit) is rounding
 
 
@@ -30,7 +36,7 @@ def ties_only(disagreements: dict) -> bool:
 def build_system(session, mode, cfg, prefilled, max_len, models=None):
     """One of our engines decoding from a shared prefill, built as generate.py builds it
     (Session.generator: the offload factory and --cuda-graphs alike)."""
-    return session.generator(cfg, max_len, prefilled=prefilled, mode=mode, models=models)
+    return session.generator(cfg, max_len, prefilled=prefilled, mode=engine_mode(mode), models=models)
 
 
 def timed_run(gen, prefilled):
@@ -107,6 +113,7 @@ def torch_device_type(device) -> str:
 def seed_mode(modes) -> str:
     """The mode whose generator prefills for all of `modes`: one with every level they use, so the
     offload planner keeps device memory for each one's retrieval and StreamingLLM caches."""
+    modes = [engine_mode(m) for m in modes]
     middle = any(m in ("retrieval", "triforce") for m in modes)
     draft = any(m in ("speculative", "triforce") for m in modes)
     return {(True, True): "triforce", (True, False): "retrieval", (False, True): "speculative"}.get(
@@ -119,9 +126,9 @@ def seed_config(cfgs: dict):
     from dataclasses import replace
 
     first = next(iter(cfgs.values()))
-    budget = next((c.budget for m, c in cfgs.items() if m in ("retrieval", "triforce")), first.budget)
+    budget = next((c.budget for m, c in cfgs.items() if engine_mode(m) in ("retrieval", "triforce")), first.budget)
     return replace(first, gamma1=max(c.gamma1 for c in cfgs.values()), gamma2=max(c.gamma2 for c in cfgs.values()),
-                   budget=budget)
+                   budget=budget, adaptive=False)
 
 
 def shared_prefill(session, cfgs: dict, prompt, max_len, label="prefill"):

@@ -202,12 +202,8 @@ class Generator:
             cache = StreamingCache(drafter.kv_shape(), drafter.rotary, sizes.sinks, sizes.window,
                                    slack=sizes.streaming_slack)
             self.drafter = Level("draft", drafter, cache, self.stats)
-        self.chooser = None
-        if cfg.adaptive and len(SUB_MODES[mode]) > 1:
-            self.chooser = Chooser(SUB_MODES[mode], cfg.gamma1, cfg.gamma2, agree)
-            for level in (self.full, self.middle, self.drafter):
-                if level is not None:
-                    level.meter = self.chooser
+        self.chooser, self.agree = None, agree
+        self._new_chooser()
         self.proposers = {m: self._compose(m) for m in SUB_MODES[mode]}
         self.proposer, self.gamma = self.proposers[mode]
         self.step_mode = mode  # the mode of the last full pass
@@ -231,8 +227,8 @@ class Generator:
         generator's own after a conversation) and the last prompt token's rotated queries (Hq, D) per
         layer. With `first`, that sampled token follows the prompt (as after prefill); without it the
         context ends with the prompt (as after truncate(len(prompt)): a chat's user turn comes next).
-        Sampling restarts from the seed and statistics start afresh, so what follows does not
-        depend on where the prompt's cache came from."""
+        Sampling restarts from the seed, and statistics and an adaptive chooser's figures start
+        afresh, so what follows does not depend on where the prompt's cache came from."""
         self.stats.phase = "prefill"  # the retrieval build and the drafter's window belong to prefill
         try:
             self.full.cache.rollback(len(prompt))
@@ -241,6 +237,7 @@ class Generator:
             self.context = list(prompt) + ([] if first is None else [first])
             self.committed = len(self.context)
             self.sampling.generator.manual_seed(self.cfg.seed)
+            self._new_chooser()  # an adaptive run learns afresh, as a new process would
             self.reset_stats()
             self.stats.prompt_tokens = len(prompt)
             if self.middle is not None:
@@ -250,6 +247,14 @@ class Generator:
                 self._restart_drafter(list(prompt))
         finally:
             self.stats.phase = "decode"
+
+    def _new_chooser(self) -> None:
+        """An adaptive generator's chooser, knowing nothing yet, timing every level's passes."""
+        if self.cfg.adaptive and len(SUB_MODES[self.mode]) > 1:
+            self.chooser = Chooser(SUB_MODES[self.mode], self.cfg.gamma1, self.cfg.gamma2, self.agree)
+            for level in (self.full, self.middle, self.drafter):
+                if level is not None:
+                    level.meter = self.chooser
 
     def _compose(self, mode: str):
         """(proposer under the full cache, its tokens per full pass) of `mode` from this generator's levels."""

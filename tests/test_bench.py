@@ -11,7 +11,7 @@ from scripts.hf_peers import HFSystems
 
 from .conftest import save_tiny, save_tokenizer
 
-SYSTEMS = "autoregressive,speculative,retrieval,triforce,hf-generate"
+SYSTEMS = "autoregressive,speculative,retrieval,triforce,adaptive,hf-generate"
 
 
 def _prompt(path, n=400, seed=0):
@@ -57,6 +57,9 @@ def test_bench_self_draft_with_hf_generate(tmp_path, models):
         assert got["autoregressive"]["tokens_per_full_pass"] == pytest.approx(1.0)
         assert got["hf-generate"]["tokens_per_full_pass"] == pytest.approx(1.0)  # one forward per token
         assert got["triforce"]["acceptance"]["middle->verify"] is not None
+        modes = got["adaptive"]["modes"]  # its first passes try one mode each, from the fullest
+        assert got["triforce"]["modes"] is None and list(modes)[:2] == ["triforce", "retrieval"]
+        assert sum(modes.values()) == got["adaptive"]["passes"]["verify"]
         scaling = got["hf-generate"]["rope_scaling"]
         assert (scaling is None) == (context == 128)  # each context with the RoPE scaling its length needs
         if scaling:

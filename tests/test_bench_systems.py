@@ -63,18 +63,20 @@ def test_bench_builds_every_mode_as_generate_does(tiny, offload, graphs):
     cfgs = bench.system_configs(session.run, OURS, len(prompt))
     prefilled = measure.shared_prefill(session, cfgs, prompt, len(prompt) + NEW)
     ours = bench.system_generators(session, cfgs, prefilled, len(prompt) + NEW)
-    for mode in OURS:  # generate.py's path: its parse, plan_generation, generator
+    for system in OURS:  # generate.py's path: its parse, plan_generation, generator
+        mode = measure.engine_mode(system)  # "adaptive": generate.py's default; a mode: --no-adaptive
         opts = generate.parse_args(_flags(target, "--prompt-file", str(book), "--context", str(CONTEXT),
                                           "--max-new-tokens", str(NEW), "--offload", offload, "--onchip-layers", "1",
-                                          "--mode", mode))
+                                          "--mode", mode, *([] if system == "adaptive" else ["--no-adaptive"])))
         theirs = Session(opts.run, text)
         cfg = theirs.plan_generation()
         assert theirs.run.mode == mode  # the prompt is long enough: no mode switch
         theirs.load()
         _pretend_cuda(theirs, graphs)
         gen = theirs.generator(cfg, max_len=len(theirs.prompt_ids) + NEW)
-        assert cfgs[mode] == cfg, mode
-        assert _levels(ours[mode]) == _levels(gen), mode
+        assert cfgs[system] == cfg, system
+        assert _levels(ours[system]) == _levels(gen), system
+        assert (gen.chooser is None) == (system != "adaptive") == (ours[system].chooser is None), system
     # the per-mode defaults differ (CPU: speculative drafts 4 per round, triforce 2), so sharing one was wrong
     assert cfgs["speculative"].gamma1 != cfgs["triforce"].gamma1
     if graphs:
@@ -99,13 +101,14 @@ def test_bench_times_the_generators_session_builds(tiny, tmp_path, monkeypatch):
                            "--repeats", "2", "--systems", ",".join(OURS), "--out", str(out)))
     assert rc == 0
     timed = [(m, c) for m, c, shared in built if shared]
-    assert [m for m, _ in timed] == list(OURS)  # once each, reused for warm-up + 2 repetitions
+    # once each, reused for warm-up + 2 repetitions; "adaptive" builds triforce's levels
+    assert [m for m, _ in timed] == [measure.engine_mode(s) for s in OURS]
     prompt_len = len(open_session(bench.parse_args(_flags(target, "--contexts", str(CONTEXT))).run,
                                   book.read_text()).prompt_ids)
-    for mode, cfg in timed:
+    for system, (mode, cfg) in zip(OURS, timed):
         assert cfg == generation_config(replace(bench.parse_args(_flags(target, "--contexts", str(CONTEXT),
-                                                                       "--new-tokens", str(NEW))).run, mode=mode),
-                                        prompt_len)
+                                                                       "--new-tokens", str(NEW))).run, mode=mode,
+                                                adaptive=system == "adaptive"), prompt_len)
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     assert all(r["same_tokens"] for r in rows.values())
     assert set(rows["triforce"]["ms_per_pass"]) == {"draft", "middle", "verify"}
@@ -165,7 +168,7 @@ def test_quick_says_what_it_runs(tiny):
     target, _ = tiny
     plan = bench.parse_args(["--model", str(target), "--quick"])
     assert (plan.contexts, plan.new_tokens, plan.repeats) == ((1024,), 16, 1)
-    assert plan.systems == ("autoregressive", "triforce", "hf-generate") and plan.quick and plan.run.threads == 1
+    assert plan.systems == ("autoregressive", "triforce", "adaptive", "hf-generate") and plan.quick and plan.run.threads == 1
     assert bench.parse_args(["--model", str(target), "--quick", "--threads", "2"]).run.threads == 2
     assert bench.parse_args(["--model", str(target), "--quick", "--systems", "hf-static"]).systems == ("hf-static",)
     assert set(bench.parse_args(["--model", str(target)]).systems) == set(OURS + bench.HF)
