@@ -8,8 +8,10 @@ knowable in advance: at 105K tokens on a 2-core CPU a 4-token verification costs
 pass and triforce lost to plain decoding (README, 2026-11-23), on a GPU streaming the KV the full
 pass dwarfs the rest and triforce wins 2-3x, and acceptance moves with the text.
 
-So the generator times every pass (seconds against tokens fed, per level) and counts acceptance
-per edge (draft->middle, draft->verify, middle->verify), and before each full pass predicts the
+So the generator times every pass (seconds against tokens fed, per level) and every round as a
+whole (what its passes leave out - sampling, the retrieval cache's upkeep - is the mode's overhead),
+counts acceptance per edge (draft->middle, draft->verify, middle->verify), and before each full
+pass predicts the
 milliseconds per token of every sub-hierarchy of the levels it built, at every gamma up to the
 configured one, with the arithmetic below; it runs the cheapest. Each mode is tried once first, and
 a mode left unused for its probe interval is run once to refresh what it knows, which bounds what a
@@ -41,26 +43,27 @@ def tokens_per_verification(a: float, gamma: int) -> float:
 
 
 def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, int], float],
-                      accept: Callable[[str], float]) -> float:
+                      accept: Callable[[str], float], overhead: float = 0.0) -> float:
     """Seconds per committed token of `mode` proposing `gamma` tokens per full pass; cost(level, n) is
-    a pass of `level` over n tokens, accept(edge) the rate one proposal is accepted at:
+    a pass of `level` over n tokens, accept(edge) the rate one proposal is accepted at, overhead the
+    seconds a full pass's round spends outside the levels' passes (sampling, cache upkeep):
 
-        autoregressive  verify(1)
-        speculative     (gamma draft(1) + verify(gamma+1)) / E(a_draft->verify, gamma)
-        retrieval       (gamma middle(1) + verify(gamma+1)) / E(a_middle->verify, gamma)
-        triforce        (gamma m + verify(gamma+1)) / E(a_middle->verify, gamma), where a middle
+        autoregressive  (verify(1) + overhead)
+        speculative     (gamma draft(1) + verify(gamma+1) + overhead) / E(a_draft->verify, gamma)
+        retrieval       (gamma middle(1) + verify(gamma+1) + overhead) / E(a_middle->verify, gamma)
+        triforce        (gamma m + verify(gamma+1) + overhead) / E(a_middle->verify, gamma), where a middle
                         token costs m = (gamma1 draft(1) + middle(gamma1+1)) / E(a_draft->middle, gamma1)
     """
     e = tokens_per_verification
     if mode == "autoregressive":
-        return cost("verify", 1)
+        return cost("verify", 1) + overhead
     if mode == "speculative":
-        return (gamma * cost("draft", 1) + cost("verify", gamma + 1)) / e(accept("draft->verify"), gamma)
+        return (gamma * cost("draft", 1) + cost("verify", gamma + 1) + overhead) / e(accept("draft->verify"), gamma)
     if mode == "retrieval":
-        return (gamma * cost("middle", 1) + cost("verify", gamma + 1)) / e(accept("middle->verify"), gamma)
+        return (gamma * cost("middle", 1) + cost("verify", gamma + 1) + overhead) / e(accept("middle->verify"), gamma)
     if mode == "triforce":
         per_middle_token = (gamma1 * cost("draft", 1) + cost("middle", gamma1 + 1)) / e(accept("draft->middle"), gamma1)
-        return (gamma * per_middle_token + cost("verify", gamma + 1)) / e(accept("middle->verify"), gamma)
+        return (gamma * per_middle_token + cost("verify", gamma + 1) + overhead) / e(accept("middle->verify"), gamma)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -148,16 +151,33 @@ class Chooser:
         self.plans = [Plan(m, g) for m in modes for g in range(1 if m != "autoregressive" else 0,
                                                                  max_gamma(m, gamma1, gamma2) + 1)]
         self.costs, self.acceptance = PassCosts(), Acceptance()
+        self.overhead: dict[str, float] = {}  # per mode: a round's seconds outside the passes (moving average)
+        self.pass_seconds = 0.0  # every timed pass so far; a round's share is the difference
+        self._round_start = 0.0
         self.passes = 0
         self.last_used = {m: None for m in modes}
         self.interval = {m: self.PROBE_EVERY for m in modes}
+
+    def passed(self, level: str, tokens: int, seconds: float) -> None:
+        """A pass of `level` over `tokens` tokens took `seconds` (Level.run, decode only)."""
+        self.costs.record(level, tokens, seconds)
+        self.pass_seconds += seconds
+
+    def finished(self, mode: str, seconds: float) -> None:
+        """The round (proposals, verification, upkeep) that choose() began took `seconds` in all:
+        what its passes do not account for is the mode's overhead. Its average is slow to move
+        (a retrieval rebuild lands on one round in dozens)."""
+        outside = max(seconds - (self.pass_seconds - self._round_start), 0.0)
+        old = self.overhead.get(mode)
+        self.overhead[mode] = outside if old is None else 0.9 * old + 0.1 * outside
 
     def known(self, mode: str) -> bool:
         levels, edges = needs(mode)
         return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
 
     def predict(self, plan: Plan) -> float:
-        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate)
+        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
+                                 self.overhead.get(plan.mode, 0.0))
 
     def best(self, mode: str | None = None) -> Plan:
         """The plan predicted cheapest (of `mode`'s plans when given); a mode not measured yet runs
@@ -172,6 +192,7 @@ class Chooser:
             plan = self.plans[self.agree(self.plans.index(plan))]
         self.passes += 1
         self.last_used[plan.mode] = self.passes
+        self._round_start = self.pass_seconds
         return plan
 
     def _choose(self) -> Plan:

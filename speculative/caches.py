@@ -97,8 +97,8 @@ class FullCache(SlotCache):
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (Hkv, n, D) of token positions `index` (Hkv, n), chosen per KV head."""
-        idx = index[:, :, None].expand(-1, -1, self.shape.head_dim)
-        return self.k[layer].gather(1, idx), self.v[layer].gather(1, idx)
+        heads = torch.arange(index.shape[0], device=index.device)[:, None]
+        return self.k[layer][heads, index], self.v[layer][heads, index]  # indexing: 2x gather in bf16
 
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (layers, Hkv, end-start, D) of tokens [start, end)."""

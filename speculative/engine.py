@@ -91,7 +91,7 @@ class Level:
         seconds = time.perf_counter() - start
         self.stats.add_pass(self.name, seconds)
         if self.meter is not None and self.stats.phase != "prefill":
-            self.meter.costs.record(self.name, len(feed), seconds)
+            self.meter.passed(self.name, len(feed), seconds)
         return torch.cat(logits)[-n_out:]
 
     def rollback(self, length: int) -> None:
@@ -399,6 +399,7 @@ class Generator:
         """One full-cache pass: propose, verify, commit. Returns the newly committed tokens."""
         stable = self.committed - 1
         mode, gamma = self.mode, self.gamma
+        start = time.perf_counter()
         if self.chooser is not None:
             plan = self.chooser.choose()
             mode, gamma = plan.mode, plan.gamma
@@ -423,6 +424,8 @@ class Generator:
         self.full.rollback(self.committed - 1)
         if self.middle is not None:
             self._update_middle(accepted, len(drafts) if mode in ("retrieval", "triforce") else 0)
+        if self.chooser is not None:
+            self.chooser.finished(mode, time.perf_counter() - start)
         return new
 
     def _update_middle(self, accepted: int, proposed: int) -> None:

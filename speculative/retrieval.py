@@ -171,10 +171,14 @@ class RetrievalCache(SlotCache):
             raise RuntimeError("retrieval cache is out of room; rebuild instead")
         if new > 0:
             k, v = full.slice(self.base, n_tokens)  # (L, Hkv, new, D)
-            slots = self.victims[:, :, self.replaced:self.replaced + new]  # (L, Hkv, new)
-            idx = slots[..., None].expand(-1, -1, -1, self.shape.head_dim)
-            self.k[:, :, :self.budget].scatter_(2, idx, k.to(self.k.device))
-            self.v[:, :, :self.budget].scatter_(2, idx, v.to(self.v.device))
+            slots = self.victims[:, :, self.replaced:self.replaced + new]  # (L, Hkv, new), all < budget
+            layers = torch.arange(slots.shape[0], device=slots.device)[:, None, None]
+            heads = torch.arange(slots.shape[1], device=slots.device)[None, :, None]
+            # an indexed write, not scatter_: torch's CPU scatter_ on bfloat16 took 144 ms for 3 tokens
+            # of SmolLM2's 8K-slot cache (0.03 ms this way, and in float32 either way), a quarter of
+            # a full pass at 115K tokens
+            self.k[layers, heads, slots] = k.to(self.k.device)
+            self.v[layers, heads, slots] = v.to(self.v.device)
             self.replaced += new
         self.base = self.length = n_tokens
         self.used = self.budget

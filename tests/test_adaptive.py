@@ -113,6 +113,19 @@ def test_every_mode_is_tried_first_then_probed_ever_less_often():
     assert gaps == [2 * Chooser.PROBE_EVERY * 2 ** i + 1 for i in range(len(gaps))] and gaps[-1] == Chooser.PROBE_MAX + 1
 
 
+def test_what_passes_leave_out_counts_against_the_mode():
+    """A round that takes longer than its passes (cache upkeep, sampling) makes its mode dearer."""
+    chooser = Chooser(SUB_MODES["retrieval"], gamma1=1, gamma2=1)
+    teach(chooser, verify=lambda n: 1.0, middle=0.01, accept={"middle->verify": 0.5})
+    assert chooser.choose() == Plan("retrieval", 1)  # (0.01 + 1) / 1.5 s per token against 1.0
+    chooser.passed("middle", 1, 0.01)
+    chooser.passed("verify", 2, 1.0)
+    chooser.finished("retrieval", 1.01 + 0.6)  # 0.6 s outside the passes
+    assert chooser.overhead["retrieval"] == pytest.approx(0.6)
+    assert chooser.predict(Plan("retrieval", 1)) == pytest.approx((0.01 + 1.0 + 0.6) / 1.5)
+    assert chooser.choose() == Plan("autoregressive", 0)
+
+
 def test_agree_makes_every_rank_run_rank_0s_plan():
     rank0 = Chooser(SUB_MODES["triforce"], 2, 3)
     rank1 = Chooser(SUB_MODES["triforce"], 2, 3, agree=lambda index: rank0.plans.index(Plan("retrieval", 2)))

@@ -29,7 +29,7 @@ def book(tmp_path_factory):
 def make_args(folder, book, cache, *extra):
     opts = chat.parse_args(["--book", str(book), "--model", str(folder), "--draft", "self", "--max-new-tokens", "14",
                             "--room", "160", "--gamma1", "2", "--gamma2", "3", "--draft-window", "32",
-                            "--cache-dir", str(cache), *extra])
+                            "--cache-dir", str(cache), "--no-adaptive", *extra])  # mechanics of one mode
     return replace(opts, run=replace(opts.run, dtype="float64"))  # not a command-line choice; exact comparisons need it
 
 
@@ -116,6 +116,17 @@ def test_turns_are_lossless_and_stop_at_end_of_turn(start):
     assert answer.status == "stop" and answer.tokens[-1] == stop and stop not in answer.tokens[:-1]
     check_lossless(c, answer)
     assert c.gen.committed == len(c.gen.context)
+
+
+def test_adaptive_turns_are_lossless_and_say_their_passes(start):
+    """chat.py's default: each full pass picks its mode; every turn still equals plain decoding."""
+    c = start("--adaptive", stops=frozenset())
+    for q in ("t5 t6 t7", "t8 t9"):
+        answer = c.ask(q)
+        check_lossless(c, answer)
+        assert sum(answer.stats.modes.values()) == answer.stats.full_passes
+        assert "passes: " in chat.summary(answer, 14)
+    assert c.gen.chooser is not None and c.gen.chooser.passes == sum(t.stats.full_passes for t in c.turns)
 
 
 def test_levels_passed_per_token(start):
