@@ -159,7 +159,8 @@ class Session:
         d = stats.to_dict()
         acc = d["acceptance"]
         return {
-            "mode": run.mode, "adaptive": run.adaptive, "modes": d["modes"], "model": run.model, "draft": None if run.mode in ("autoregressive", "retrieval") else self.draft,
+            "mode": run.mode, "adaptive": run.adaptive, "modes": d["modes"], "estimates": d["estimates"],
+            "model": run.model, "draft": None if run.mode in ("autoregressive", "retrieval") else self.draft,
             "prompt_tokens": stats.prompt_tokens, "new_tokens": len(tokens), "tokens": tokens, "text": text,
             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
             "tokens_per_second": stats.tokens_per_second,
@@ -205,6 +206,15 @@ def modes_text(modes: dict) -> str:
     return ", ".join(f"{m} {n}" for m, n in sorted(modes.items(), key=lambda kv: -kv[1]))
 
 
+def estimates_text(estimates: dict) -> str:
+    """What an adaptive run predicted last, cheapest first: 'retrieval γ1 410, autoregressive 520'."""
+    parts = []
+    for mode, e in sorted(estimates.items(), key=lambda kv: kv[1]["ms_per_token"]):
+        gamma = f" γ{e['gamma']}" if e["gamma"] else ""
+        parts.append(f"{mode}{gamma} {e['ms_per_token']:.0f}")
+    return ", ".join(parts)
+
+
 def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "same", device=None,
                       choices: list[tuple[str, str]] = ()) -> None:
     """The statistics of one generation. With an offloaded full cache (bytes moved counted) the
@@ -223,6 +233,7 @@ def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "
             ("tokens per full-cache pass", _fmt(stats.tokens_per_full_pass)), ("full-cache passes", str(stats.full_passes))]
     if d["modes"]:
         rows.append(("full-cache passes per mode", modes_text(d["modes"])))
+        rows.append(("predicted ms per token", estimates_text(d["estimates"])))
     for key, value in d["acceptance"].items():
         rows.append((f"acceptance {key}", _fmt(value, 3)))
     for level in ("draft", "middle", "verify"):

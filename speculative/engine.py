@@ -389,6 +389,8 @@ class Generator:
                 on_tokens(new, self.origins[:len(new)])
         synchronize(self.device)
         self.stats.decode_seconds += time.perf_counter() - start
+        if self.chooser is not None:
+            self.stats.estimates = self.chooser.summary()
         if self.full.cache.timings() is not None:  # decode bytes only: prefill's copies are left out
             self.stats.bytes_moved = (self.stats.bytes_moved or 0) + self.full.cache.bytes_moved - moved
         self.stats.new_tokens += len(out)

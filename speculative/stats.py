@@ -22,6 +22,7 @@ class Stats:
     proposed: dict = field(default_factory=lambda: defaultdict(int))
     accepted: dict = field(default_factory=lambda: defaultdict(int))
     modes: dict = field(default_factory=lambda: defaultdict(int))  # full passes per mode (adaptive runs)
+    estimates: dict = field(default_factory=dict)  # adaptive: {mode: {gamma, ms_per_token}} it believed last
 
     def add_pass(self, level: str, seconds: float) -> None:
         if self.phase == "prefill":
@@ -67,4 +68,5 @@ class Stats:
             "rebuilds": self.rebuilds,
             "bytes_moved": self.bytes_moved,
             "modes": dict(self.modes),
+            "estimates": self.estimates,
         }

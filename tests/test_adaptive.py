@@ -120,9 +120,21 @@ def test_what_passes_leave_out_counts_against_the_mode():
     assert chooser.choose() == Plan("retrieval", 1)  # (0.01 + 1) / 1.5 s per token against 1.0
     chooser.passed("middle", 1, 0.01)
     chooser.passed("verify", 2, 1.0)
-    chooser.finished("retrieval", 1.01 + 0.6)  # 0.6 s outside the passes
-    assert chooser.overhead["retrieval"] == pytest.approx(0.6)
-    assert chooser.predict(Plan("retrieval", 1)) == pytest.approx((0.01 + 1.0 + 0.6) / 1.5)
+    chooser.finished("retrieval", 1.01 + 0.9)  # 0.9 s outside the passes
+    assert chooser.overhead["retrieval"] == pytest.approx(0.9)
+    assert chooser.predict(Plan("retrieval", 1)) == pytest.approx((0.01 + 1.0 + 0.9) / 1.5)
+    assert chooser.choose() == Plan("autoregressive", 0)
+
+
+def test_a_mode_is_left_only_for_a_clear_gain():
+    chooser = Chooser(SUB_MODES["retrieval"], gamma1=1, gamma2=1)
+    teach(chooser, verify=lambda n: 1.0, middle=0.01, accept={"middle->verify": 0.5})
+    assert chooser.choose() == Plan("retrieval", 1)  # 0.67 s per token against 1.0
+    chooser.overhead["retrieval"] = 0.46  # now (1.01 + 0.46) / 1.5 = 0.98: within the margin of 1.0
+    assert chooser.choose() == Plan("retrieval", 1)
+    chooser.overhead["retrieval"] = 0.9  # (1.01 + 0.9) / 1.5 = 1.27
+    assert chooser.choose() == Plan("autoregressive", 0)
+    chooser.overhead["retrieval"] = 0.46  # 0.98 against 1.0 again: autoregressive stays
     assert chooser.choose() == Plan("autoregressive", 0)
 
 
@@ -215,3 +227,4 @@ def test_generate_reports_the_passes_per_mode(tiny_folder):
     assert a["adaptive"] and set(a["modes"]) == set(SUB_MODES["triforce"]) and sum(a["modes"].values()) == a["full_passes"]
     assert not f["adaptive"] and f["modes"] == {}
     assert "triforce, adaptive" in table.stdout and "full-cache passes per mode" in table.stdout
+    assert "predicted ms per token" in table.stdout and set(a["estimates"]) == set(SUB_MODES["triforce"])
