@@ -327,7 +327,7 @@ def start(opts: ChatOptions, interactive: bool | None = None) -> Chat:
     # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
     # that is the book plus the conversation's room, and the book is already cut to --context
     run, cfg = generation_plan(run, len(book.prompt), console)  # bad settings are refused before the weights load
-    session = open_session(replace(run, max_new_tokens=total, context=None), None, modes=(run.mode,))
+    session = open_session(replace(run, max_new_tokens=total, context=None), None, modes=(run.mode,), tokenizer=tok)
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(opts, session, gen, book, console)
     chat = Chat(gen, session.tokenizer, book, queries, stop_ids(tok, book.fmt, run.model), session)

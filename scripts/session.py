@@ -52,7 +52,7 @@ class Session:
     `run` is the run configuration as given; `self.run` is the same with its device and lower
     weights resolved ('auto' made concrete), which is what everything after reads."""
 
-    def __init__(self, run: RunConfig, text: str | None):
+    def __init__(self, run: RunConfig, text: str | None, tokenizer=None):
         check_flags(run)
         self.threads_why = _set_threads(run.threads)
         self.dist = _setup_parallel(run)
@@ -71,7 +71,7 @@ class Session:
         self.draft = resolve_draft(run.model, run.draft)
         base_cfg = ModelConfig.from_folder(run.model)
         check_shardable(base_cfg, self.dist.world_size if self.dist else 1)
-        self.tokenizer = load_tokenizer(run.model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(run.model)  # chat read the book with it
         self.prompt_ids = self.encode(text) if text is not None else []
         needed = len(self.prompt_ids) + run.max_new_tokens
         if run.context:  # a --context that can never fit is refused even when this prompt is shorter
@@ -323,6 +323,7 @@ def onchip_layers(run: RunConfig) -> int | str:
     return layers
 
 
-def open_session(run: RunConfig, text: str | None, modes=MODES) -> Session:
-    """A session with its models loaded for `modes` (all of them unless said)."""
-    return Session(run, text).load(modes)
+def open_session(run: RunConfig, text: str | None, modes=MODES, tokenizer=None) -> Session:
+    """A session with its models loaded for `modes` (all of them unless said); `tokenizer`: the
+    model's, when the caller has loaded it (Qwen's takes 2-4 s a load)."""
+    return Session(run, text, tokenizer).load(modes)
