@@ -335,7 +335,8 @@ def bench_groups(plan: BenchPlan, text: str):
                 continue
             new_rows, _ = bench_context(session, plan, ids, context, hf, hf_skip)
             rows += new_rows
-            print_table(wide(session.console), new_rows)
+            if len(plan.contexts) > 1:  # each context's table as it finishes; with one, the final table says it all
+                print_table(wide(session.console), new_rows)
         hf = None
         yield session, rows
 
