@@ -180,11 +180,22 @@ def test_greedy_identical_whatever_the_plans(pair, monkeypatch, mode, scrambled)
     assert sum(result.stats.modes.values()) == result.stats.full_passes
 
 
-def test_sampled_distribution_is_exact_whatever_the_plans(models, monkeypatch):  # noqa: F811
+def by_history(monkeypatch) -> None:
+    """Every chooser picks its plan from what was accepted so far: a choice that depends on the
+    sampled tokens themselves, as the real chooser's does."""
+    def choose(self):
+        seen = sum(a * 7 + f for edge in sorted(self.acceptance.recent) for a, f in self.acceptance.recent[edge])
+        return self.plans[(seen + self.passes) % len(self.plans)]
+    monkeypatch.setattr(Chooser, "_choose", choose)
+
+
+@pytest.mark.parametrize("plans", ["random", "by history"])
+def test_sampled_distribution_is_exact_whatever_the_plans(models, monkeypatch, plans):  # noqa: F811
     """As test_sampling.py: 3,000 seeds, the joint law of tokens 2 and 3 against enumeration, with
-    the plan of each pass drawn at random (a different stream from the sampler's)."""
+    the plan of each pass drawn at random (a different stream from the sampler's), or chosen from
+    the acceptance so far (so the plan of the pass that draws token 3 depends on token 2's)."""
     target, drafter = models
-    scramble(monkeypatch, seed=0)
+    scramble(monkeypatch, seed=0) if plans == "random" else by_history(monkeypatch)
     cfg = {**SAMPLING_SETTINGS, "adaptive": True}
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for seed in range(3000):
