@@ -13,11 +13,13 @@ whole (what its passes leave out - sampling, the retrieval cache's upkeep - is t
 counts acceptance per edge (draft->middle, draft->verify, middle->verify), and before each full
 pass predicts the
 milliseconds per token of every sub-hierarchy of the levels it built, at every gamma up to the
-configured one, with the arithmetic below; it runs the cheapest. Each mode is tried once first, and
-a mode left unused for its probe interval is run once to refresh what it knows, which bounds what a
-stale estimate can cost; the interval doubles (PROBE_EVERY up to PROBE_MAX passes) each time a mode
-is probed and starts again from PROBE_EVERY when the mode wins, so a mode that keeps losing costs
-ever less.
+configured one, with the arithmetic below; it runs the cheapest. Each mode is tried once first -
+the configured one, then plain decoding, then the rest, at their shortest gamma (a bad mode costs
+least to learn that way), skipping a mode whose best case (every proposal accepted, its untimed
+passes free) already loses to what is measured - and a mode left unused for its probe interval is
+run once to refresh what it knows, which bounds what a stale estimate can cost; the interval
+doubles (PROBE_EVERY up to PROBE_MAX passes) each time a mode is probed and starts again from
+PROBE_EVERY when the mode wins, so a mode that keeps losing costs ever less.
 """
 from __future__ import annotations
 
@@ -153,6 +155,9 @@ class Chooser:
 
     def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None):
         self.modes, self.gamma1, self.agree = modes, gamma1, agree
+        # the order modes are first tried in: the configured one, then plain decoding (one cheap pass
+        # that times verify(1), which every prediction leans on), then the others
+        self.order = tuple(dict.fromkeys(modes[:1] + tuple(m for m in modes if m == "autoregressive") + modes))
         self.plans = [Plan(m, g) for m in modes for g in range(1 if m != "autoregressive" else 0,
                                                                  max_gamma(m, gamma1, gamma2) + 1)]
         self.costs, self.acceptance = PassCosts(), Acceptance()
@@ -185,12 +190,24 @@ class Chooser:
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
                                  self.overhead.get(plan.mode, 0.0))
 
+    def bound(self, plan: Plan) -> float:
+        """The best case of a plan given what is measured: every proposal on an edge never seen
+        accepted, a level never timed free, and a pass no cheaper than the dearest measured pass of
+        that level over no more tokens."""
+        def cost(level: str, tokens: int) -> float:
+            return max((s for n, s in self.costs.mean.get(level, {}).items() if n <= tokens), default=0.0)
+
+        def accept(edge: str) -> float:
+            return self.acceptance.rate(edge) if self.acceptance.known(edge) else 1.0
+
+        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, cost, accept, self.overhead.get(plan.mode, 0.0))
+
     def best(self, mode: str | None = None) -> Plan:
         """The plan predicted cheapest (of `mode`'s plans when given); a mode not measured yet runs
-        its longest plan."""
+        its shortest plan."""
         plans = [p for p in self.plans if mode in (None, p.mode)]
         measured = [p for p in plans if self.known(p.mode)]
-        return min(measured, key=self.predict) if measured else max(plans, key=lambda p: p.gamma)
+        return min(measured, key=self.predict) if measured else min(plans, key=lambda p: p.gamma)
 
     def choose(self) -> Plan:
         plan = self._choose()
@@ -202,8 +219,12 @@ class Chooser:
         return plan
 
     def _choose(self) -> Plan:
-        for mode in self.modes:  # the first passes: every mode once, at its longest gamma
+        for mode in self.order:  # the first passes: every mode once, unless it cannot win
             if self.last_used[mode] is None:
+                tried = [p for p in self.plans if self.last_used[p.mode] is not None and self.known(p.mode)]
+                if tried and min(self.bound(p) for p in self.plans if p.mode == mode) > min(map(self.predict, tried)):
+                    self.last_used[mode] = self.passes  # as if tried now: a probe comes back to it later
+                    continue
                 return self.best(mode)
         for mode in self.modes:
             if self.passes - self.last_used[mode] >= self.interval[mode]:
