@@ -18,20 +18,24 @@ pytestmark = [pytest.mark.slow,
 def generate_json(mode, context=4096, new=48, *extra):
     cmd = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", str(MODEL), "--draft", "self",
            "--prompt-file", str(BOOK), "--context", str(context), "--max-new-tokens", str(new), "--mode", mode,
-           "--temperature", "0", "--dtype", "float32", "--json", *map(str, extra)]
+           "--temperature", "0", "--dtype", "float32", "--json", "--no-adaptive", *map(str, extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
 
 def test_greedy_every_mode_matches_autoregressive_on_a_book():
-    """At a 4K-token context of a real book, in float32, every engine gives the autoregressive tokens."""
+    """At a 4K-token context of a real book, in float32, every engine gives the autoregressive tokens,
+    and so does generate.py's default, adaptive over triforce's levels."""
     reference = generate_json("autoregressive")
     assert reference["prompt_tokens"] == 4096 and len(reference["tokens"]) == 48
     for mode in ("speculative", "retrieval", "triforce"):
         out = generate_json(mode)
         assert out["tokens"] == reference["tokens"], mode
         assert out["tokens_per_full_pass"] > 1.5, (mode, out["tokens_per_full_pass"])
+    adaptive = generate_json("triforce", 4096, 48, "--adaptive")
+    assert adaptive["tokens"] == reference["tokens"] and adaptive["adaptive"]
+    assert sum(adaptive["modes"].values()) == adaptive["full_passes"]
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
