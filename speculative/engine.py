@@ -205,8 +205,7 @@ class Generator:
         self.chooser, self.agree = None, agree
         self._new_chooser()
         self.proposers = {m: self._compose(m) for m in SUB_MODES[mode]}
-        self.proposer, self.gamma = self.proposers[mode]
-        self.step_mode = mode  # the mode of the last full pass
+        self.gamma = self.proposers[mode][1]  # the fixed mode's proposals per full pass
         self.context: list[int] = []
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
         if prefilled:
@@ -420,7 +419,6 @@ class Generator:
                 self.chooser.acceptance.record(edge, len(drafts), accepted)
         new = drafts[:accepted] + [nxt]
         self.origins = (proposer.origins[:accepted] if drafts else []) + [self.full.name]
-        self.step_mode = mode
         self.context += new
         self.committed = len(self.context)
         self.full.rollback(self.committed - 1)
