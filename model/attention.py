@@ -54,12 +54,24 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     rep = Hq // Hkv
     # rows ordered (kv head, query head in group, token): one matmul per KV head reads its keys once
     grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1).repeat(rep, 1) if T > 1 else None
+    future = _future_mask(T, rep, q.device) if T > 1 else None
     if q.is_cuda:  # cuBLAS takes the cache's strided batch of heads as it is
         out = _attend_rows(grouped, keys, values, future)
     else:  # CPU bf16 bmm copies a strided batch (a layer's whole live KV, every pass); 2-D GEMMs do not
         out = torch.stack([_attend_rows(grouped[h], keys[h], values[h], future) for h in range(Hkv)])
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+_FUTURE_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def _future_mask(T: int, rep: int, device: torch.device) -> torch.Tensor:
+    """(rep * T, T), True where a row's token would see a later one. Kept per shape: every layer of
+    every verification pass asks for the same few, and building one is three kernels."""
+    key = (T, rep, device)
+    if key not in _FUTURE_MASKS:
+        _FUTURE_MASKS[key] = torch.ones(T, T, dtype=torch.bool, device=device).triu(1).repeat(rep, 1)
+    return _FUTURE_MASKS[key]
 
 
 def _attend_rows(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future) -> torch.Tensor:

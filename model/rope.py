@@ -83,25 +83,29 @@ class Rotary:
         self.inv_freq, self.scale = rope_frequencies(cfg, max_len)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each (T, D), for `apply_rotary`."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+        return _cos_signed_sin(freqs, self.scale, dtype)
 
     def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
         """Rotate already-rotated vectors (T, H, D) by `delta` positions: a pure rotation, no mscale."""
         freqs = torch.full((1,), float(delta), device=x.device)[:, None] * self.inv_freq.to(x.device)[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return apply_rotary(x, angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        return apply_rotary(x, *_cos_signed_sin(freqs, 1.0, x.dtype))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _cos_signed_sin(freqs: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # the minus of rotate-half's first half rides in sin, which saves a kernel per application
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos, signed_sin: (T, D) or (1, D) from `Rotary.cos_sin`. The half-split rotation
+    of Llama checkpoints, x cos + (-x2, x1) sin, with the minus folded into signed_sin: three
+    kernels a call, and a layer makes one call for q and k together."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos, sin: (T, D) or (1, D)."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos[:, None, :], swapped, signed_sin[:, None, :])
 
 
 # ---------------------------------------------------------------------- scaling for a run's length

@@ -22,10 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, as the reference implementations do, then back to the model dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # float32 statistics, as the reference implementations do, then back to the model dtype;
+        # one fused op where pow, mean, add, rsqrt and mul were five kernels
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -36,12 +35,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, cache, layer: int):
-        T = x.shape[0]
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)
-        out = cache.attend(layer, q, k, v.view(T, self.n_kv_heads, self.head_dim))
+        T, D = x.shape[0], self.head_dim
+        qk_heads = self.n_heads + self.n_kv_heads
+        qkv = self.wqkv(x)
+        # q and k sit side by side in the fused projection: one rotation for both
+        q, k = apply_rotary(qkv[:, :qk_heads * D].view(T, qk_heads, D), cos, sin).split(
+            [self.n_heads, self.n_kv_heads], dim=1)
+        out = cache.attend(layer, q, k, qkv[:, qk_heads * D:].view(T, self.n_kv_heads, D))
         return self.wo(out)
 
 
