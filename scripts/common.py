@@ -38,7 +38,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="host: keep the full KV cache in (pinned) host memory, stream it per pass")
     g.add_argument("--onchip-layers", default="0", help="with --offload host: layers whose KV stays on the device, or auto")
     g.add_argument("--offload-chunk", type=int, default=4096, help="tokens per host->device copy when streaming KV")
-    g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs for the drafter and middle levels")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for every level whose cache is on the device: a small pass replays one "
+                        "graph instead of launching some 30 kernels a layer (default: on with one CUDA device; "
+                        "off under --tp, whose all-reduces run between kernels, and on CPU)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
     g.add_argument("--lower-weights", default="auto", choices=["auto", "same", "int8"],
                    help="weights the proposing levels read: same, or int8 (CPU: a weight-only int8 copy, "
@@ -95,7 +98,7 @@ class RunConfig:
     offload: str
     onchip_layers: str
     offload_chunk: int
-    cuda_graphs: bool
+    cuda_graphs: bool | None  # None: on for a single CUDA device
     tp: int
     lower_weights: str
     # generation

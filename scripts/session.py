@@ -146,13 +146,22 @@ class Session:
         gen = Generator(models or self.loaded.models, cfg, mode or self.run.mode, max_len=max_len,
                         full_cache_factory=factory, prefilled=prefilled, agree=agree)
         self._last_full_cache = gen.full.cache
-        if self.run.cuda_graphs:
-            if not str(self.device).startswith("cuda"):
-                raise UserError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+        if self.cuda_graphs():
             from speculative.graphs import enable_cuda_graphs
 
             enable_cuda_graphs(gen)
         return gen
+
+    def cuda_graphs(self) -> bool:
+        """--cuda-graphs as asked, or by default on for one CUDA device: eager launches cost a small
+        model's step several times its kernels' time. Off under tensor parallelism by default (its
+        all-reduces would be captured inside the graphs: untested)."""
+        on_cuda = str(self.device).startswith("cuda")
+        if self.run.cuda_graphs and not on_cuda:
+            raise UserError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+        if self.run.cuda_graphs is None:
+            return on_cuda and self.run.tp == 1
+        return self.run.cuda_graphs
 
     def report(self, cfg, tokens, text, stats) -> dict:
         run = self.run
@@ -191,6 +200,9 @@ class Session:
         run = self.run
         rows = [("dtype", run.dtype + (" (--dtype auto)" if self.asked_dtype == "auto" else "")),
                 ("threads", f"{torch.get_num_threads()} ({self.threads_why})")]
+        if str(self.device).startswith("cuda"):
+            rows.append(("CUDA graphs", ("on" if self.cuda_graphs() else "off")
+                         + (" (default: one GPU)" if self.run.cuda_graphs is None else "")))
         if cfg is not None:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else
                          f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))

@@ -170,9 +170,11 @@ class Chooser:
         self.last_used = {m: None for m in modes}
         self.interval = {m: self.PROBE_EVERY for m in modes}
 
-    def passed(self, level: str, tokens: int, seconds: float) -> None:
-        """A pass of `level` over `tokens` tokens took `seconds` (Level.run, decode only)."""
-        self.costs.record(level, tokens, seconds)
+    def passed(self, level: str, tokens: int, seconds: float, typical: bool = True) -> None:
+        """A pass of `level` over `tokens` tokens took `seconds` (Level.run, decode only). An untypical
+        one (it captured a CUDA graph) counts in its round's time but not in the level's costs."""
+        if typical:
+            self.costs.record(level, tokens, seconds)
         self.pass_seconds += seconds
 
     def finished(self, mode: str, seconds: float) -> None:

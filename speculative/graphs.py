@@ -84,6 +84,7 @@ class GraphedModel:
         self.eager_static = eager_static
         self.captured: dict[tuple, _Captured] = {}
         self.replays = 0
+        self.captures = 0  # Level.run leaves a pass that captured out of the adaptive chooser's timings
 
     def __getattr__(self, name):  # embed, rotary, kv_shape, ... of the wrapped model
         return getattr(self.__dict__["model"], name)
@@ -122,6 +123,7 @@ class GraphedModel:
             for _ in range(self.warmup):
                 self.model(c.tokens, c.view, last_only)
         torch.cuda.current_stream(c.tokens.device).wait_stream(side)
+        self.captures += 1
         c.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(c.graph), torch.no_grad():
             c.logits = self.model(c.tokens, c.view, last_only)

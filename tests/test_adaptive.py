@@ -148,6 +148,38 @@ def test_what_passes_leave_out_counts_against_the_mode():
     assert chooser.choose() == Plan("autoregressive", 0)
 
 
+def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
+    """Level.run times every decode pass for the chooser; one in which the model captured a CUDA
+    graph (a one-time cost, hundreds of times a replay) counts in its round, not in the level's
+    costs, or the moving average would keep a cheap graphed level looking dear for dozens of passes."""
+    from speculative.caches import FullCache
+    from speculative.engine import Level
+    from speculative.stats import Stats
+
+    save_tiny(tmp_path, seed=2, vocab=48)
+    model = load_model(tmp_path, torch.float32, "cpu")
+
+    class Capturing:  # stands in for a GraphedModel whose first call captures
+        captures = 0
+
+        def __init__(self):
+            self.embed = model.embed
+
+        def __call__(self, tokens, cache, last_only=False):
+            self.captures = 1
+            return model(tokens, cache, last_only)
+
+    stats = Stats()
+    stats.phase = "decode"
+    level = Level("verify", Capturing(), FullCache(model.kv_shape(), 64), stats)
+    level.meter = chooser = Chooser(SUB_MODES["autoregressive"], gamma1=1, gamma2=1)
+    level.run([3, 4, 5], 1, stable=0)  # captures
+    first = chooser.pass_seconds
+    assert not chooser.costs.known("verify") and first > 0  # in the round's time, not a cost sample
+    level.run([3, 4, 5, 6], 1, stable=3)  # replays
+    assert chooser.costs.mean["verify"] == {1: pytest.approx(chooser.pass_seconds - first)}
+
+
 def test_a_mode_is_left_only_for_a_clear_gain():
     chooser = Chooser(SUB_MODES["retrieval"], gamma1=1, gamma2=1)
     teach(chooser, verify=lambda n: 1.0, middle=0.01, accept={"middle->verify": 0.5})

@@ -49,6 +49,31 @@ def _pretend_cuda(session, graphs: bool):
         session.device = "cuda"
 
 
+@pytest.mark.parametrize("flag,device,tp,expect", [
+    ([], "cuda", 1, True),  # the default on one GPU: a small pass replays a graph
+    ([], "cuda", 2, False),  # under tensor parallelism: its all-reduces are not captured
+    ([], "cpu", 1, False),
+    (["--no-cuda-graphs"], "cuda", 1, False),
+    (["--cuda-graphs"], "cuda", 2, True),
+    (["--cuda-graphs"], "cpu", 1, "--cuda-graphs needs a CUDA device"),
+])
+def test_cuda_graphs_are_on_by_default_on_one_gpu(tiny, flag, device, tp, expect):
+    from scripts import generate
+    from model.errors import UserError
+
+    target, book = tiny
+    opts = generate.parse_args(_flags(target, "--prompt-file", str(book), *flag))
+    session = Session(opts.run, book.read_text())
+    session.run, session.device = replace(session.run, tp=tp), device  # as a torchrun rank on a GPU would be
+    if isinstance(expect, str):
+        with pytest.raises(UserError, match=expect):
+            session.cuda_graphs()
+        return
+    assert session.cuda_graphs() is expect
+    rows = dict(session.choices())
+    assert rows.get("CUDA graphs", "off").startswith("on" if expect else "off") and (device == "cuda") == ("CUDA graphs" in rows)
+
+
 @pytest.mark.parametrize("offload,graphs", [("none", True), ("host", False)])
 def test_bench_builds_every_mode_as_generate_does(tiny, offload, graphs):
     from scripts import generate
