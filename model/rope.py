@@ -101,11 +101,13 @@ def _cos_signed_sin(freqs: torch.Tensor, scale: float, dtype: torch.dtype) -> tu
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: (T, H, D); cos, signed_sin: (T, D) or (1, D) from `Rotary.cos_sin`. The half-split rotation
-    of Llama checkpoints, x cos + (-x2, x1) sin, with the minus folded into signed_sin: three
-    kernels a call, and a layer makes one call for q and k together."""
+    of Llama checkpoints, x cos + (-x2, x1) sin, with the minus folded into signed_sin (exact: a
+    negation never rounds), so a call is four kernels, and a layer makes one call for q and k
+    together. Products and sum stay separate ops, each rounded as the reference implementation
+    rounds them: a fused multiply-add would round once and flip bf16 near-ties against it."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos[:, None, :], swapped, signed_sin[:, None, :])
+    return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
 
 
 # ---------------------------------------------------------------------- scaling for a run's length
