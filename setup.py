@@ -5,7 +5,8 @@ setup(
     version="0.1.0",
     description="Lossless hierarchical speculative decoding (TriForce) for long-context Llama-family models",
     python_requires=">=3.10",
-    packages=find_packages(include=["model*", "speculative*", "offload*", "parallel*", "scripts*"]),
+    packages=find_packages(include=["triforce", "triforce.*"]),
+    package_data={"triforce": ["data/*.txt"]},
     install_requires=[
         "torch>=2.4",  # CI pins the CPU build: pip install torch==2.13.0 first
         "transformers>=4.45",
@@ -23,9 +24,10 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "triforce-generate=scripts.generate:cli",
-            "triforce-prepare=scripts.prepare_models:main",
-            "triforce-chat=scripts.chat:cli",
+            "triforce-generate=triforce.cli:generate",
+            "triforce-chat=triforce.cli:chat",
+            "triforce-prepare=triforce.cli:prepare",
+            "triforce-tp=triforce.cli:tp",
         ],
     },
 )

@@ -1,4 +1,4 @@
-"""Running the front ends (scripts/generate.py, scripts/chat.py) as fresh processes, as a user would."""
+"""Running the front ends (`python -m triforce generate|chat`) as fresh processes, as a user would."""
 from __future__ import annotations
 
 import os
@@ -10,13 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def command(front: str, *args) -> list[str]:
-    """scripts/<front>.py on one thread and, unless a test names a device, on the CPU (the default suite
+    """`triforce <front>` on one thread and, unless a test names a device, on the CPU (the default suite
     tests the CPU path on any machine; tests/test_gpu.py covers CUDA); chat neither reads nor writes
     the user's saved KV caches."""
     extra = ["--no-cache"] if front == "chat" else []
     if "--device" not in map(str, args):
         extra += ["--device", "cpu"]
-    return [sys.executable, str(ROOT / "scripts" / f"{front}.py"), "--threads", "1", *extra, *map(str, args)]
+    return [sys.executable, "-m", "triforce", front, "--threads", "1", *extra, *map(str, args)]
 
 
 def run(front: str, *args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

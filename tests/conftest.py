@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the programs tests start (python -m triforce ...) import this checkout, installed or not
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 torch.set_num_threads(1)  # tiny models: thread wake-ups cost more than they save
 
 

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from speculative import GenerationConfig, Generator, Models, generate_ids
-from speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCosts, Plan, seconds_per_token
-from model.loader import load_model
-from speculative.sampling import Sampler
+from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
+from triforce.speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCosts, Plan, seconds_per_token
+from triforce.model.loader import load_model
+from triforce.speculative.sampling import Sampler
 
 from .cli import run
 from .conftest import save_tiny
@@ -52,7 +52,7 @@ def test_pass_costs_fit_a_line_between_and_beyond_measured_sizes():
 
 
 def test_seconds_per_token_matches_the_cost_model():
-    from scripts.costmodel import ms_per_token_from_passes
+    from bench.costmodel import ms_per_token_from_passes
 
     ms = {"draft": 2.0, "middle": 5.0, "verify": 40.0}
     acc = {"draft->verify": 0.5, "draft->middle": 0.7, "middle->verify": 0.8}
@@ -152,9 +152,9 @@ def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
     """Level.run times every decode pass for the chooser; one in which the model captured a CUDA
     graph (a one-time cost, hundreds of times a replay) counts in its round, not in the level's
     costs, or the moving average would keep a cheap graphed level looking dear for dozens of passes."""
-    from speculative.caches import FullCache
-    from speculative.engine import Level
-    from speculative.stats import Stats
+    from triforce.speculative.caches import FullCache
+    from triforce.speculative.engine import Level
+    from triforce.speculative.stats import Stats
 
     save_tiny(tmp_path, seed=2, vocab=48)
     model = load_model(tmp_path, torch.float32, "cpu")

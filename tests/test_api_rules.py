@@ -5,11 +5,11 @@ import logging
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.errors import UserError
-from model.rope import max_auto_positions, scaled_for
-from speculative import GenerationConfig, generate, load
-from speculative.retrieval import mode_for_prompt
+from triforce.model.config import ModelConfig
+from triforce.model.errors import UserError
+from triforce.model.rope import max_auto_positions, scaled_for
+from triforce.speculative import GenerationConfig, generate, load
+from triforce.speculative.retrieval import mode_for_prompt
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -82,7 +82,7 @@ def test_prefill_pieces_follow_the_device_unless_set():
 
 
 def test_a_generator_feeds_its_prefill_in_the_device_pieces(short_model):
-    from speculative import Generator
+    from triforce.speculative import Generator
 
     models = load(short_model).models
     cfg = GenerationConfig(max_new_tokens=2, budget=32, chunk_size=8)

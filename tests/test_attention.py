@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from model import attention
+from triforce.model import attention
 
 
 def reference(q, keys, values):

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from scripts import bench, measure, traffic
-from scripts.hf_peers import HFSystems
+from bench import bench, measure, traffic
+from bench.hf_peers import HFSystems
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -85,7 +85,7 @@ def test_bench_assisted_with_a_drafter(tmp_path, models):
 
 
 def test_bench_rejects_unknown_system(tmp_path, models, capsys):
-    from scripts.common import run_cli
+    from triforce.cli.common import run_cli
 
     target, _, book = models
     rc = run_cli(bench.main, ["--model", str(target), "--prompt-file", str(book), "--systems", "autoregressive,vllm"])
@@ -95,8 +95,8 @@ def test_bench_rejects_unknown_system(tmp_path, models, capsys):
 def test_compare_deepspeed_says_in_one_line_why_it_cannot_run(tmp_path, models, monkeypatch, capsys):
     import sys
 
-    from scripts import compare_deepspeed
-    from scripts.common import run_cli
+    from bench import compare_deepspeed
+    from triforce.cli.common import run_cli
 
     target, _, book = models
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored after the test
@@ -109,8 +109,8 @@ def test_compare_deepspeed_says_in_one_line_why_it_cannot_run(tmp_path, models, 
 
 def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
     """The tie diagnostic: transformers fed its own greedy tokens ranks every one of them first."""
-    from scripts.session import open_session
-    from speculative import GenerationConfig
+    from triforce.cli.session import open_session
+    from triforce.speculative import GenerationConfig
 
     target, _, book = models
     plan = bench.parse_args(["--model", str(target), "--draft", "self", "--prompt-file", str(book), "--contexts", "64",
@@ -135,11 +135,11 @@ def test_ties_are_gaps_of_a_few_ulps_of_the_dtype():
 def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, models):
     """sweep.py: greedy rows match autoregressive; the logit-gap check is zero for the reference's own
     token and large for another token, and leaves the shared prefill as it found it."""
-    from scripts import sweep
-    from scripts.measure import TIE_ULPS, logit_gap_ulps, run_system
-    from scripts.common import generation_config
-    from scripts.session import open_session
-    from speculative import Generator
+    from bench import sweep
+    from bench.measure import TIE_ULPS, logit_gap_ulps, run_system
+    from triforce.cli.common import generation_config
+    from triforce.cli.session import open_session
+    from triforce.speculative import Generator
 
     target, _, book = models
     out = tmp_path / "sweep.json"
@@ -166,7 +166,7 @@ def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, mo
 
 
 def test_traffic_counts_int8_proposer_weights_at_one_byte():
-    from speculative import GenerationConfig, ModelConfig
+    from triforce.speculative import GenerationConfig, ModelConfig
 
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=4096)

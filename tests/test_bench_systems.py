@@ -9,9 +9,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from scripts import bench, bench_report, measure
-from scripts.measure import OURS
-from scripts.session import Session, open_session, print_stats_table
+from bench import bench, bench_report, measure
+from bench.measure import OURS
+from triforce.cli.session import Session, open_session, print_stats_table
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -58,8 +58,8 @@ def _pretend_cuda(session, graphs: bool):
     (["--cuda-graphs"], "cpu", 1, "--cuda-graphs needs a CUDA device"),
 ])
 def test_cuda_graphs_are_on_by_default_on_one_gpu(tiny, flag, device, tp, expect):
-    from scripts import generate
-    from model.errors import UserError
+    from triforce.cli import generate
+    from triforce.model.errors import UserError
 
     target, book = tiny
     opts = generate.parse_args(_flags(target, "--prompt-file", str(book), *flag))
@@ -76,7 +76,7 @@ def test_cuda_graphs_are_on_by_default_on_one_gpu(tiny, flag, device, tp, expect
 
 @pytest.mark.parametrize("offload,graphs", [("none", True), ("host", False)])
 def test_bench_builds_every_mode_as_generate_does(tiny, offload, graphs):
-    from scripts import generate
+    from triforce.cli import generate
 
     target, book = tiny
     text = book.read_text()
@@ -111,7 +111,7 @@ def test_bench_builds_every_mode_as_generate_does(tiny, offload, graphs):
 def test_bench_times_the_generators_session_builds(tiny, tmp_path, monkeypatch):
     """End to end: every one of our rows decodes with a generator from Session.generator, in its own
     mode and with that mode's config; one generator per system serves the warm-up and the repetitions."""
-    from scripts.common import generation_config
+    from triforce.cli.common import generation_config
 
     target, book = tiny
     built, real = [], Session.generator

@@ -5,11 +5,11 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from model.kv import KVShape
-from speculative.caches import FullCache, StreamingCache
-from model.config import ModelConfig
-from speculative.retrieval import RetrievalCache
-from model.rope import Rotary
+from triforce.model.kv import KVShape
+from triforce.speculative.caches import FullCache, StreamingCache
+from triforce.model.config import ModelConfig
+from triforce.speculative.retrieval import RetrievalCache
+from triforce.model.rope import Rotary
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float64, device=torch.device("cpu"))
 ROTARY = Rotary(ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2,

@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
-from speculative import GenerationConfig, Generator, Models, UserError
-from model.kv import KVShape
-from speculative.caches import FullCache, StreamingCache
-from model.loader import load_model
-from speculative.retrieval import RetrievalCache, check_budget, plan_selection
-from model.rope import Rotary
+from triforce.speculative import GenerationConfig, Generator, Models, UserError
+from triforce.model.kv import KVShape
+from triforce.speculative.caches import FullCache, StreamingCache
+from triforce.model.loader import load_model
+from triforce.speculative.retrieval import RetrievalCache, check_budget, plan_selection
+from triforce.model.rope import Rotary
 
 from .conftest import save_tiny
 

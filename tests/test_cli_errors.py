@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scripts import chat, generate
-from parallel import resolve_device
-from scripts.common import generation_config
-from scripts.session import HOST_MEMORY_ENV, check_flags, host_available_bytes
-from speculative import UserError
+from triforce.cli import chat, generate
+from triforce.parallel import resolve_device
+from triforce.cli.common import generation_config
+from triforce.cli.session import HOST_MEMORY_ENV, check_flags, host_available_bytes
+from triforce.speculative import UserError
 
 from .cli import assert_one_line_error, run
 from .conftest import save_tiny, save_tokenizer

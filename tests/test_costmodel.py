@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from scripts import costmodel as cm
+from bench import costmodel as cm
 
 
 def _setting(**kw):
@@ -34,7 +34,7 @@ def test_shapes_match_known_sizes():
 
 
 def test_shape_from_project_config(tiny_folder):
-    from speculative import ModelConfig
+    from triforce.speculative import ModelConfig
 
     shape = cm.ModelShape.from_config(ModelConfig.from_folder(tiny_folder))
     assert (shape.layers, shape.hidden, shape.kv_heads, shape.vocab) == (2, 32, 2, 64)
@@ -119,7 +119,7 @@ def test_setting_validation():
 
 
 def test_project_cli_prints_projection_label_and_reads_a_bench_json(tmp_path, capsys):
-    from scripts import project
+    from bench import project
 
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"model": "models/smollm2-135m", "rows": [
@@ -135,7 +135,7 @@ def test_project_cli_prints_projection_label_and_reads_a_bench_json(tmp_path, ca
 
 
 def test_ms_per_token_from_passes_and_when_the_third_level_pays():
-    from scripts.costmodel import ms_per_token_from_passes as per_token
+    from bench.costmodel import ms_per_token_from_passes as per_token
 
     # perfect acceptance: a round of gamma proposals yields gamma + 1 tokens
     assert per_token("speculative", {"draft": 1, "verify": 10}, {"draft->verify": 1.0}, 4, 0) == (4 + 10) / 5

@@ -3,12 +3,12 @@ SDPA, and CUDA graphs vs eager. Every test skips on a machine without CUDA."""
 import pytest
 import torch
 
-from offload import full_cache_factory
-from speculative.graphs import enable_cuda_graphs
-from speculative import GenerationConfig, Models
-from model import attention
-from speculative.engine import Generator
-from model.loader import load_model
+from triforce.offload import full_cache_factory
+from triforce.speculative.graphs import enable_cuda_graphs
+from triforce.speculative import GenerationConfig, Models
+from triforce.model import attention
+from triforce.speculative.engine import Generator
+from triforce.model.loader import load_model
 
 from .conftest import save_tiny
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from speculative import GenerationConfig, Models, generate_ids
-from model.loader import load_model
+from triforce.speculative import GenerationConfig, Models, generate_ids
+from triforce.model.loader import load_model
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -63,7 +63,7 @@ def test_long_generation_stays_lossless(pair):
     cfg = GenerationConfig(max_new_tokens=2000, budget=64, chunk_size=8, gamma1=3, gamma2=5,
                            draft_window=32, sink_tokens=4)
     reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
-    from speculative import Generator
+    from triforce.speculative import Generator
 
     gen = Generator(Models(target, drafter), cfg, "triforce", max_len=2300)
     gen.prefill(ids)
@@ -75,8 +75,8 @@ def test_self_drafter_keeps_the_checkpoint_rope_when_the_run_scales_it(tmp_path)
     """With YaRN added for a long context, the target drafting for itself uses the checkpoint's own RoPE
     (its StreamingLLM positions stay inside the trained range): same weights, its own rotary, and the
     tokens are still exactly autoregressive."""
-    from speculative import Generator, ModelConfig
-    from speculative.api import load
+    from triforce.speculative import Generator, ModelConfig
+    from triforce.speculative.api import load
 
     save_tiny(tmp_path, seed=8, vocab=64, max_pos=160)
     save_tokenizer(tmp_path, vocab=64)

@@ -1,5 +1,5 @@
 """Ctrl-C and SIGTERM in the middle of generation: generate.py alone, and under torchrun through
-scripts/launch_tp.sh (two gloo workers). Each run stops within a bounded time with status 130,
+`triforce tp` (two gloo workers). Each run stops within a bounded time with status 130,
 says "interrupted" once, prints no traceback, and leaves no process behind."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def test_single_process_during_prefill(model, tmp_path, sig):
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
 def test_tensor_parallel_launcher(model, tmp_path, sig):
     """The signal goes to the launcher alone, as from a supervisor; it passes it to the workers."""
-    cmd = ["bash", ROOT / "scripts" / "launch_tp.sh", *generation_args(model), "--mode", "autoregressive"]
+    cmd = [sys.executable, "-m", "triforce", "tp", *generation_args(model), "--mode", "autoregressive"]
     interrupted_run(cmd, model, tmp_path, sig, limit=30)
 
 

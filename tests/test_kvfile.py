@@ -3,9 +3,9 @@ corrupt or foreign ones recomputed; the same files for the offloaded full cache.
 import pytest
 import torch
 
-from model.loader import load_model
-from offload import full_cache_factory
-from speculative import GenerationConfig, Generator, Models, kvfile
+from triforce.model.loader import load_model
+from triforce.offload import full_cache_factory
+from triforce.speculative import GenerationConfig, Generator, Models, kvfile
 
 from .conftest import save_tiny
 

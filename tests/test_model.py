@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from speculative.caches import FullCache, StreamingCache
-from model.config import ModelConfig
-from model.loader import load_model
-from model.rope import rope_frequencies
+from triforce.speculative.caches import FullCache, StreamingCache
+from triforce.model.config import ModelConfig
+from triforce.model.loader import load_model
+from triforce.model.rope import rope_frequencies
 
 from .conftest import hf_config, save_tiny, save_tokenizer
 
@@ -70,7 +70,7 @@ def test_streaming_cache_matches_short_context(tmp_path):
 
 
 def test_identical_tokenizer_files_need_no_second_load(tmp_path):
-    from model.loader import same_tokenizer_files
+    from triforce.model.loader import same_tokenizer_files
 
     for name, vocab in (("a", 64), ("b", 64), ("c", 80)):
         save_tokenizer(tmp_path / name, vocab=vocab)

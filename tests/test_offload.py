@@ -3,15 +3,15 @@ output identical to the resident cache for every engine (CPU: the "device" is th
 import pytest
 import torch
 
-from offload import OffloadedCache, full_cache_factory
-from speculative.graphs import GraphedModel, StaticView, enable_cuda_graphs
-from offload.planner import GiB, Request, plan, shape_request
-from speculative import GenerationConfig, Models
-from model.kv import KVShape
-from speculative.caches import FullCache
-from speculative.engine import CacheSizes, Generator
-from model.errors import UserError
-from model.loader import load_model
+from triforce.offload import OffloadedCache, full_cache_factory
+from triforce.speculative.graphs import GraphedModel, StaticView, enable_cuda_graphs
+from triforce.offload.planner import GiB, Request, plan, shape_request
+from triforce.speculative import GenerationConfig, Models
+from triforce.model.kv import KVShape
+from triforce.speculative.caches import FullCache
+from triforce.speculative.engine import CacheSizes, Generator
+from triforce.model.errors import UserError
+from triforce.model.loader import load_model
 
 from .conftest import save_tiny
 

@@ -1,4 +1,4 @@
-"""scripts/prefill_rate.py end to end on a tiny random model: the row, the JSON, and the two
+"""bench/prefill_rate.py end to end on a tiny random model: the row, the JSON, and the two
 prefills agreeing on the last position's logits (what makes their rates comparable)."""
 import json
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from scripts import prefill_rate
+from bench import prefill_rate
 
 from .conftest import save_tiny, save_tokenizer
 

@@ -5,8 +5,8 @@ import io
 import pytest
 from rich.console import Console
 
-from scripts import progress as prefill
-from scripts.progress import PrefillClock
+from triforce.cli import progress as prefill
+from triforce.cli.progress import PrefillClock
 
 
 def logged(monkeypatch, every: float, done: int = 0) -> list[str]:

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speculative import GenerationConfig, Models, UserError, generate_ids
-from speculative.caches import FullCache
-from model.loader import load_model
-from model import quant
-from model.quant import (INT8_KERNEL_MAX_ROWS, Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights,
+from triforce.speculative import GenerationConfig, Models, UserError, generate_ids
+from triforce.speculative.caches import FullCache
+from triforce.model.loader import load_model
+from triforce.model import quant
+from triforce.model.quant import (INT8_KERNEL_MAX_ROWS, Int8Linear, int8_twin, lower_weights_for, resolve_lower_weights,
                                with_lower_weights)
-from speculative.sampling import Sampler
+from triforce.speculative.sampling import Sampler
 
 from .cli import assert_one_line_error, run
 from .conftest import save_tiny
@@ -119,7 +119,7 @@ def test_auto_is_int8_in_half_precision_on_cpu_only():
 def test_stats_table_names_int8_proposers(tiny):
     from rich.console import Console
 
-    from scripts.session import print_stats_table
+    from triforce.cli.session import print_stats_table
 
     ids = torch.randint(0, 48, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     cfg = GenerationConfig(max_new_tokens=8, budget=16, chunk_size=4, gamma1=2, gamma2=3, draft_window=8, sink_tokens=2)

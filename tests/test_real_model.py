@@ -1,4 +1,4 @@
-"""Real-model checks on SmolLM2-135M (needs `python scripts/prepare_models.py`); run with -m slow."""
+"""Real-model checks on SmolLM2-135M (needs `triforce-prepare`); run with -m slow."""
 import json
 import subprocess
 import sys
@@ -11,12 +11,12 @@ MODEL = ROOT / "models" / "smollm2-135m"
 BOOK = ROOT.parent / "shared" / "data" / "books" / "persuasion.txt"
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not MODEL.is_dir(), reason="models/smollm2-135m missing: run scripts/prepare_models.py"),
+              pytest.mark.skipif(not MODEL.is_dir(), reason="models/smollm2-135m missing: run triforce-prepare"),
               pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data/books/persuasion.txt not present")]
 
 
 def generate_json(mode, context=4096, new=48, *extra):
-    cmd = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", str(MODEL), "--draft", "self",
+    cmd = [sys.executable, "-m", "triforce", "generate", "--model", str(MODEL), "--draft", "self",
            "--prompt-file", str(BOOK), "--context", str(context), "--max-new-tokens", str(new), "--mode", mode,
            "--temperature", "0", "--dtype", "float32", "--json", "--no-adaptive", *map(str, extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -44,12 +44,12 @@ def test_real_checkpoint_logits_match_transformers(name):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from speculative.caches import FullCache
-    from model.loader import load_model
+    from triforce.speculative.caches import FullCache
+    from triforce.model.loader import load_model
 
     folder = ROOT / "models" / name
     if not folder.is_dir():
-        pytest.skip(f"models/{name} missing: run scripts/prepare_models.py --all")
+        pytest.skip(f"models/{name} missing: run triforce-prepare --all")
     tokens = torch.arange(100, 164)
     ours = load_model(folder, torch.float32)
     got = ours(tokens, FullCache(ours.kv_shape(), 64))
@@ -68,11 +68,11 @@ def test_2000_tokens_at_16k_stay_lossless():
     runs; about 35 minutes on one core."""
     from dataclasses import replace
 
-    from scripts import sweep
-    from scripts.common import generation_config, read_text
-    from scripts.measure import run_system
-    from scripts.session import open_session
-    from speculative import Generator
+    from bench import sweep
+    from triforce.cli.common import generation_config, read_text
+    from bench.measure import run_system
+    from triforce.cli.session import open_session
+    from triforce.speculative import Generator
 
     plan = sweep.parse_args(["--model", str(MODEL), "--draft", "self", "--context", "16384", "--new-tokens", "2000",
                              "--dtype", "float32", "--budget", "2048"])

@@ -18,12 +18,12 @@ import math
 import pytest
 import torch
 
-from model.kv import KVShape
-from model.loader import load_model
-from speculative import GenerationConfig, Generator, Models
-from speculative.caches import FullCache
-from speculative.retrieval import RetrievalCache, chunk_scores, plan_selection
-from speculative.sampling import Sampler
+from triforce.model.kv import KVShape
+from triforce.model.loader import load_model
+from triforce.speculative import GenerationConfig, Generator, Models
+from triforce.speculative.caches import FullCache
+from triforce.speculative.retrieval import RetrievalCache, chunk_scores, plan_selection
+from triforce.speculative.sampling import Sampler
 
 from .conftest import save_tiny
 

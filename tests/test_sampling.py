@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-import speculative.sampling as sampling
-from speculative import GenerationConfig, Generator, Models
-from speculative.caches import FullCache
-from model.loader import load_model
-from speculative.sampling import Sampler
+import triforce.speculative.sampling as sampling
+from triforce.speculative import GenerationConfig, Generator, Models
+from triforce.speculative.caches import FullCache
+from triforce.model.loader import load_model
+from triforce.speculative.sampling import Sampler
 
 from .conftest import save_tiny
 
@@ -99,7 +99,7 @@ def wrong_residual(p, q):
 def test_wrong_residual_is_caught(models, monkeypatch, mode):
     target, drafter = models
     original = sampling.verify_sampled
-    monkeypatch.setattr("speculative.engine.verify_sampled",
+    monkeypatch.setattr("triforce.speculative.engine.verify_sampled",
                         lambda *a, **k: original(*a, **k, residual=wrong_residual))
     exact = exact_joint(target, Sampler(SETTINGS["temperature"]))
     counts = sample_joint(Models(target, drafter), mode, SETTINGS)

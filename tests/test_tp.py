@@ -2,8 +2,8 @@
 
 One two-process job (spawned once per module, logits compared across ranks at every forward)
 computes logits, parameter shapes, retrieval selections and tokens; the tests compare them with
-one process. The failure tests run scripts/generate.py workers under torchrun's environment (or
-through scripts/launch_tp.sh) and kill or stop one of them.
+one process. The failure tests run `triforce generate` workers under torchrun's environment (or
+through `triforce tp`) and kill or stop one of them.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from parallel import setup_tensor_parallel
-from speculative import GenerationConfig, Generator, Models, UserError
-from speculative.caches import FullCache
-from model.loader import load_model
-from model.quant import int8_twin
+from triforce.parallel import setup_tensor_parallel
+from triforce.speculative import GenerationConfig, Generator, Models, UserError
+from triforce.speculative.caches import FullCache
+from triforce.model.loader import load_model
+from triforce.model.quant import int8_twin
 
 from .conftest import save_tiny, save_tokenizer
 
@@ -49,7 +49,7 @@ LONG = replace(GREEDY, max_new_tokens=2000)  # the retrieval cache refills and r
 def offload_factory():
     """offload.full_cache_factory, or None while the offload package does not provide it."""
     try:
-        from offload import full_cache_factory
+        from triforce.offload import full_cache_factory
     except ImportError:
         return None
     return full_cache_factory
@@ -303,7 +303,7 @@ def test_bad_timeout(monkeypatch):
 # ---------------------------------------------------------------------------------------- failures
 @pytest.fixture(scope="module")
 def cli_model(tmp_path_factory):
-    """A tiny checkpoint with a tokenizer, for scripts/generate.py (4 heads / 2 KV heads)."""
+    """A tiny checkpoint with a tokenizer, for `triforce generate` (4 heads / 2 KV heads)."""
     folder = tmp_path_factory.mktemp("tp-cli")
     save_tiny(folder, seed=6, vocab=64, layers=1, hidden=16, heads=4, kv_heads=2, inter=16, max_pos=8192)
     save_tokenizer(folder, vocab=64)
@@ -316,7 +316,7 @@ def start_worker(rank: int, port: int, args: list[str], logs: Path) -> subproces
            "SPEC_TP_TIMEOUT": str(TIMEOUT_S), "OMP_NUM_THREADS": "1"}
     logs.mkdir(exist_ok=True)
     with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:  # files: never blocks
-        return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "--tp", str(WORLD), *args],
+        return subprocess.Popen([sys.executable, "-m", "triforce", "generate", "--tp", str(WORLD), *args],
                                 env=env, stdout=out, stderr=err)
 
 
@@ -368,7 +368,7 @@ def test_kv_heads_not_divisible_is_one_line(tmp_path):
     """Through the launcher: torchrun, two gloo workers, a model with 3 KV heads."""
     save_tiny(tmp_path, seed=7, vocab=64, layers=1, hidden=24, heads=6, kv_heads=3, inter=16)
     save_tokenizer(tmp_path, vocab=64)
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "launch_tp.sh"), "--model", str(tmp_path), "--prompt",
+    run = subprocess.run([sys.executable, "-m", "triforce", "tp", "--model", str(tmp_path), "--prompt",
                           "t5 t6 t7", "--max-new-tokens", "4", "--device", "cpu"],
                          env={**os.environ, "SPEC_TP_TIMEOUT": str(TIMEOUT_S)}, capture_output=True, text=True,
                          timeout=120)

@@ -1,0 +1,166 @@
+"""Timing our engines from one shared prefill, and telling a tie from a divergence.
+
+What bench.py, sweep.py and compare_deepspeed.py share: each prefills a prompt once, times every
+engine decoding from that snapshot, and checks greedy runs token for token against autoregressive
+decoding. A mismatch at a logit gap of a few units in the last place of the dtype is rounding (a
+T-token pass sums in another order than T one-token passes), not a logic error.
+"""
+from __future__ import annotations
+
+import time
+
+from triforce.speculative.engine import synchronize
+
+OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems
+ADAPTIVE = {"adaptive": "triforce"}  # an adaptive system -> the mode whose levels it builds
+
+
+def engine_mode(system: str) -> str:
+    """The Generator mode of one of our systems: its own name, or the levels an adaptive one builds."""
+    return ADAPTIVE.get(system, system)
+TIE_ULPS = 4  # a logit gap of at most 4 units in the last place of the dtype (at the top logit) is rounding
+
+
+def ulps_at(values, dtype):
+    """The unit in the last place of `dtype` at each value's magnitude (bf16 at 20.0: 0.125)."""
+    import torch
+
+    mag = torch.exp2(torch.floor(torch.log2(values.abs().clamp_min(torch.finfo(dtype).tiny))))
+    return mag * torch.finfo(dtype).eps
+
+
+def ties_only(disagreements: dict) -> bool:
+    return all(ulps <= TIE_ULPS for _, ulps in disagreements.values())
+
+
+def build_system(session, mode, cfg, prefilled, max_len, models=None):
+    """One of our engines decoding from a shared prefill, built as generate.py builds it
+    (Session.generator: the offload factory and --cuda-graphs alike)."""
+    return session.generator(cfg, max_len, prefilled=prefilled, mode=engine_mode(mode), models=models)
+
+
+def timed_run(gen, prefilled):
+    """(tokens, seconds, stats) of one decode from the shared prefill. The generator is put back at
+    the prefill first, so one generator serves every repetition: what its first run captured (CUDA
+    graphs) is replayed, not captured again inside the clock."""
+    gen.resume(prefilled.prompt, prefilled.queries, prefilled.first)
+    synchronize(gen.device)
+    start = time.perf_counter()
+    tokens = gen.generate()
+    synchronize(gen.device)
+    return tokens, time.perf_counter() - start, gen.stats
+
+
+def run_system(session, mode, cfg, prefilled, max_len, models=None):
+    """One decode by a generator built for it (sweep.py, compare_deepspeed.py)."""
+    return timed_run(build_system(session, mode, cfg, prefilled, max_len, models), prefilled)
+
+
+# ------------------------------------------------------------------ time per level, and the link floor
+def level_ms_per_pass(stats: dict) -> dict:
+    """{level: milliseconds per pass} of the levels that ran, from Stats.to_dict()."""
+    return {lv: 1e3 * stats["seconds"][lv] / n for lv, n in stats["passes"].items() if n}
+
+
+_BANDWIDTH: dict = {}
+
+
+def pinned_h2d_bandwidth(device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float | None:
+    """Bytes/s of pinned host->device copies, measured once per process and device (a short copy
+    benchmark); None off CUDA, where host and device memory are one and there is no link."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    key = str(device)
+    if key not in _BANDWIDTH:
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(src)  # the first copy pays for lazy setup, not the link
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        _BANDWIDTH[key] = nbytes * repeats / (time.perf_counter() - start)
+    return _BANDWIDTH[key]
+
+
+def link_floor(stats: dict, device, bandwidth: float | None = None) -> dict | None:
+    """The least time an offloaded full pass can take: the KV bytes it streamed (measured, decode
+    only) over the pinned host->device bandwidth. None without a counted offloaded cache; on CPU
+    the floor is n/a (with the reason), the bytes still given."""
+    moved, passes = stats.get("bytes_moved"), stats["passes"].get("verify", 0)
+    if moved is None or not passes:
+        return None
+    per_pass = moved / passes
+    bandwidth = bandwidth if bandwidth is not None else pinned_h2d_bandwidth(device)
+    mib = f"{per_pass / 2**20:,.1f} MiB KV/pass"
+    if bandwidth is None:
+        return {"kv_bytes_per_full_pass": per_pass, "h2d_bytes_per_second": None, "ms_per_full_pass": None,
+                "ms_per_token": None, "text": f"n/a on {torch_device_type(device)}: no host-device link; {mib}"}
+    ms = 1e3 * per_pass / bandwidth
+    per_token = ms / stats["tokens_per_full_pass"] if stats.get("tokens_per_full_pass") else None
+    return {"kv_bytes_per_full_pass": per_pass, "h2d_bytes_per_second": bandwidth, "ms_per_full_pass": ms,
+            "ms_per_token": per_token, "text": f"{ms:.1f} ms = {mib} / {bandwidth / 1e9:.1f} GB/s pinned H2D"}
+
+
+def torch_device_type(device) -> str:
+    return str(device).split(":")[0].upper()
+
+
+def seed_mode(modes) -> str:
+    """The mode whose generator prefills for all of `modes`: one with every level they use, so the
+    offload planner keeps device memory for each one's retrieval and StreamingLLM caches."""
+    modes = [engine_mode(m) for m in modes]
+    middle = any(m in ("retrieval", "triforce") for m in modes)
+    draft = any(m in ("speculative", "triforce") for m in modes)
+    return {(True, True): "triforce", (True, False): "retrieval", (False, True): "speculative"}.get(
+        (middle, draft), "autoregressive")
+
+
+def seed_config(cfgs: dict):
+    """The prefilling generator's GenerationConfig: the largest gammas of the systems' configs, so
+    the full cache it allocates has room for any system's round (the budget is theirs: shared)."""
+    from dataclasses import replace
+
+    first = next(iter(cfgs.values()))
+    budget = next((c.budget for m, c in cfgs.items() if engine_mode(m) in ("retrieval", "triforce")), first.budget)
+    return replace(first, gamma1=max(c.gamma1 for c in cfgs.values()), gamma2=max(c.gamma2 for c in cfgs.values()),
+                   budget=budget, adaptive=False)
+
+
+def shared_prefill(session, cfgs: dict, prompt, max_len, label="prefill"):
+    """Prefill `prompt` once, through Session.generator (the full cache generate.py would build), for
+    the systems of `cfgs` ({mode: GenerationConfig}); returns the snapshot they all decode from."""
+    from triforce.cli.progress import prefill_progress
+
+    seed = session.generator(seed_config(cfgs), max_len, mode=seed_mode(cfgs))
+    progress, advance = prefill_progress(session.console, len(prompt), label)
+    with progress:
+        seed.prefill(prompt, progress=advance)
+    return seed.snapshot()
+
+
+def logit_gap_ulps(session, prefilled, reference, tokens, at: int) -> float:
+    """At the first greedy mismatch: the target's logit gap between the autoregressive token and
+    the other run's, teacher-forced on the common prefix in one pass, in units in the last place of
+    the dtype at the top logit. A few ulps is a tie that rounding (a T-token pass vs T one-token
+    passes) may break either way; more is a real divergence."""
+    import torch
+
+    cache, model = prefilled.cache, session.loaded.models.target
+    cache.rollback(len(prefilled.prompt))
+    with torch.no_grad():
+        logits = model(torch.tensor(reference[:at], device=session.device), cache)[-1]
+    cache.rollback(len(prefilled.prompt))
+    gap = (logits[reference[at]] - logits[tokens[at]]).abs()
+    return float(gap / ulps_at(logits.max(), model.embed.weight.dtype))
+
+
+def first_mismatch(tokens, reference):
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))

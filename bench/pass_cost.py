@@ -1,0 +1,83 @@
+"""What one forward pass costs: T new tokens against S cached ones, relative to a single token.
+
+    python -m bench.pass_cost --contexts 256,2048,32768 --tokens 1,4,7 --dtype bfloat16 --threads 1
+
+Speculation pays only if verifying T tokens at once costs about one single-token pass: the cached
+keys and values are read once whatever T is. This fills a full cache with random keys and values up
+to S (the cost does not depend on their values), runs the target's forward with T new tokens, rolls
+back, and repeats: median milliseconds per pass and the ratio to T=1 at the same S. S small is the
+weights-only cost of a pass (what the retrieval and drafter levels mostly pay on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from triforce.cli.common import run_cli
+
+from triforce.runtime.defaults import DEFAULT_MODEL
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--contexts", default="256,2048,32768", help="cached tokens S, comma-separated")
+    p.add_argument("--tokens", default="1,2,4,7,9", help="new tokens T per pass, comma-separated")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    return args
+
+
+def pass_ms(model, cache, length: int, T: int, repeats: int) -> float:
+    import torch
+
+    tokens = torch.randint(0, model.cfg.vocab_size, (T,))
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            model(tokens, cache)
+            times.append(time.perf_counter() - start)
+            cache.rollback(length)
+    return 1e3 * statistics.median(times[1:])
+
+
+def main(argv=None) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from triforce.speculative.api import resolve_dtype
+    from triforce.speculative.caches import FullCache
+    from triforce.model.loader import load_model
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    longest = max(args.contexts) + max(args.tokens)
+    model = load_model(args.model, dtype=resolve_dtype(args.dtype), max_len=longest)
+    cache = FullCache(model.kv_shape(), longest)
+    table = Table(title=f"{Path(args.model).name} ({args.dtype}), {torch.get_num_threads()} threads: ms per pass")
+    for col in ("cached S", *(f"T={t}" for t in args.tokens)):
+        table.add_column(col, justify="right")
+    for S in args.contexts:
+        cache.k[:, :, :S].normal_()
+        cache.v[:, :, :S].normal_()
+        cache.used = cache.length = S
+        ms = {T: pass_ms(model, cache, S, T, args.repeats) for T in args.tokens}
+        base = ms.get(1, ms[args.tokens[0]])
+        table.add_row(f"{S:,}", *(f"{ms[T]:.1f} ({ms[T] / base:.2f}x)" for T in args.tokens))
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,31 @@
+"""The command line: `triforce-generate`, `triforce-chat`, `triforce-prepare`, `triforce-tp` (or
+`python -m triforce generate|chat|prepare|tp`). Flags become runtime settings here; everything
+else is library code in triforce.runtime."""
+from __future__ import annotations
+
+import os
+
+
+def prepare_process() -> None:
+    """What a command-line process sets before torch loads, called first by every entry point (never
+    at import): OpenMP threads that sleep rather than spin while they wait, so that a busy machine's
+    cores are not fought over (triforce.runtime.defaults has the measurements); no model hub."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _entry(module: str):
+    def run() -> None:
+        prepare_process()  # before the command's module imports torch
+        import importlib
+
+        importlib.import_module(module).cli()
+    run.__name__ = run.__qualname__ = module.rsplit(".", 1)[-1]
+    run.__doc__ = f"Console entry point: {module}.cli after prepare_process()."
+    return run
+
+
+COMMANDS = {"generate": "triforce.cli.generate", "chat": "triforce.cli.chat",
+            "prepare": "triforce.cli.prepare_models", "tp": "triforce.cli.launch_tp"}
+generate, chat, prepare, tp = (_entry(COMMANDS[name]) for name in ("generate", "chat", "prepare", "tp"))

@@ -1,0 +1,62 @@
+"""Tensor-parallel generation: torchrun starts one `triforce generate` process per rank, each loading
+only its shard of the target (NCCL on GPUs, one per rank; gloo on CPU).
+
+    triforce-tp --model models/qwen2.5-coder-0.5b --max-new-tokens 64     # 2 ranks
+    triforce-tp --nproc 4 ...                 # degree of parallelism (or NPROC=4; default 2)
+    SPEC_TP_TIMEOUT=120 triforce-tp ...       # seconds before a hung worker fails the run
+    SPEC_TP_CHECK=1 triforce-tp ...           # compare logits across ranks every pass
+
+Every other flag goes to `triforce generate`; only rank 0 prints. The workers run with this
+process's interpreter, so a virtual environment need not be activated.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def launch_args(nproc: int, generate_args: list[str]) -> list[str]:
+    """torchrun's arguments: --standalone (a private rendezvous on a free port, so concurrent
+    launches do not collide), one worker per rank running `python -m triforce.cli.generate`."""
+    return ["--standalone", "--nnodes=1", f"--nproc_per_node={nproc}", "--module", "triforce.cli.generate",
+            "--tp", str(nproc), *generate_args]
+
+
+def split_nproc(argv: list[str]) -> tuple[int, list[str]]:
+    """(--nproc or $NPROC or 2, the remaining flags)."""
+    nproc, rest, i = os.environ.get("NPROC", "2"), [], 0
+    while i < len(argv):
+        if argv[i] == "--nproc" and i + 1 < len(argv):
+            nproc, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--nproc="):
+            nproc = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    if not str(nproc).isdigit() or int(nproc) < 1:
+        print(f"error: --nproc must be a positive number of ranks (got {nproc!r})", file=sys.stderr)
+        sys.exit(2)
+    return int(nproc), rest
+
+
+def cli() -> None:
+    from triforce.parallel.launch import INTERRUPTED, main as torchrun
+
+    nproc, rest = split_nproc(sys.argv[1:])
+    # Ranks share the machine's cores: without a limit every rank starts a thread per core and they
+    # fight (on a 2-core box, 1 thread each). torchrun would otherwise force 1 and warn about it.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(cores // nproc, 1)))
+    try:
+        sys.exit(torchrun(launch_args(nproc, rest)))
+    except KeyboardInterrupt:  # before torchrun installed its handlers, so before any worker started
+        print("interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+
+
+if __name__ == "__main__":
+    from triforce.cli import prepare_process
+
+    prepare_process()
+    cli()

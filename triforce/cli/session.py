@@ -1,0 +1,341 @@
+"""Opening a generation session from command-line flags: device, parallelism, RoPE, models, caches.
+
+Shared by generate.py, chat.py and bench.py so every front end validates and loads the same way.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from triforce.parallel import resolve_device, setup_tensor_parallel
+from triforce.runtime.defaults import auto_dtype, auto_threads
+from triforce.cli.common import RunConfig, context_positions, generation_plan, resolve_draft, resolve_rope
+from triforce.speculative import MODES, Generator, ModelConfig, UserError
+from triforce.speculative.api import load, resolve_dtype
+from triforce.model.loader import load_tokenizer
+from triforce.model.tensor_parallel import check_shardable
+from triforce.model.quant import resolve_lower_weights, with_lower_weights
+
+
+
+HOST_MEMORY_ENV = "SPEC_HOST_MEMORY_BYTES"  # pretend this much host memory is available (for tests)
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or SPEC_HOST_MEMORY_BYTES when set: the tests use it to
+    exercise the refusal deterministically, on any machine."""
+    override = os.environ.get(HOST_MEMORY_ENV)
+    if override is not None:
+        try:
+            return int(override)
+        except ValueError:
+            raise UserError(f"{HOST_MEMORY_ENV}={override!r} is not a number of bytes; unset it") from None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Session:
+    """Construction checks everything that is cheap to check (flags, model config, tokenizer, prompt,
+    positions, host memory), so a mistake is refused before `load` reads any weights.
+
+    `run` is the run configuration as given; `self.run` is the same with its device and lower
+    weights resolved ('auto' made concrete), which is what everything after reads."""
+
+    def __init__(self, run: RunConfig, text: str | None, tokenizer=None):
+        check_flags(run)
+        self.threads_why = _set_threads(run.threads)
+        self.dist = _setup_parallel(run)
+        self.is_main = self.dist is None or self.dist.rank == 0
+        self.console = Console(stderr=True, quiet=not self.is_main)
+        self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
+        self.device = self.dist.device if self.dist else resolve_device(run.device)
+        self.asked_dtype = run.dtype
+        dtype = auto_dtype(self.device) if run.dtype == "auto" else run.dtype
+        self.dtype = resolve_dtype(dtype)
+        lower = resolve_lower_weights(run.lower_weights, self.device, self.dtype)
+        if lower != "same" and self.device != "cpu":
+            raise UserError(f"--lower-weights {lower} is for the CPU path (torch's fused int8 kernel "
+                            "is CPU-only); use --lower-weights same on a GPU")
+        self.run = replace(run, device=self.device, lower_weights=lower, dtype=dtype, threads=torch.get_num_threads())
+        self.draft = resolve_draft(run.model, run.draft)
+        base_cfg = ModelConfig.from_folder(run.model)
+        check_shardable(base_cfg, self.dist.world_size if self.dist else 1)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(run.model)  # chat read the book with it
+        self.prompt_ids = self.encode(text) if text is not None else []
+        needed = len(self.prompt_ids) + run.max_new_tokens
+        if run.context:  # a --context that can never fit is refused even when this prompt is shorter
+            limit = context_positions(base_cfg, run.rope_scaling)
+            if run.context + run.max_new_tokens > limit:
+                raise UserError(f"--context {run.context} plus {run.max_new_tokens} new tokens exceeds the {limit} "
+                                f"positions this model supports; use --context {limit - run.max_new_tokens} or less")
+        self.config = resolve_rope(base_cfg, needed, run.rope_scaling, self.console, run.max_new_tokens)
+        self._check_host_memory(needed)
+        self.needed = needed
+
+    def load(self, modes=MODES) -> "Session":
+        """Load the models; `modes`: those this session will run (their proposing levels alone get
+        cheaper weights)."""
+        run = self.run
+        with self.console.status(f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
+            self.loaded = load(run.model, self.draft, self.dtype, self.device, target_config=self.config,
+                               max_len=self.needed, rank=self.dist.rank if self.dist else 0,
+                               world_size=self.dist.world_size if self.dist else 1, tokenizer=self.tokenizer)
+        if self.dist:
+            self.dist.attach(self.loaded.models.target)
+        # the int8 twin shares the attention and MLP modules' hooks (tensor parallelism) by reference
+        target, drafter = self.loaded.models.proposers(modes)
+        self.loaded.models = with_lower_weights(self.loaded.models, run.lower_weights, target, drafter)
+        return self
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise UserError("the prompt encodes to no tokens; give some text")
+        context = self.run.context
+        if context is not None:
+            if context <= 0:
+                raise UserError(f"--context must be positive (got {context})")
+            ids = ids[-context:]
+        return ids
+
+    def _check_host_memory(self, tokens: int) -> None:
+        """Refuse, before allocating, a request whose weights and caches cannot fit in host memory."""
+        if self.device != "cpu":
+            return  # the device planner (offload) checks GPU memory
+        cfg = self.config
+        elem = torch.finfo(self.dtype).bits // 8
+        params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
+            cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size)
+        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * tokens
+        weights = params * (elem + (1 if self.run.lower_weights == "int8" else 0))  # + the int8 copy
+        need = weights * (1 if self.draft == "self" else 1.5) + kv
+        available = host_available_bytes()
+        if available is not None and need > available:
+            raise UserError(f"this run needs about {_size(need)} of memory (weights + KV cache for {tokens} tokens) "
+                            f"but {_size(available)} are available; lower --context or use --dtype bfloat16")
+
+    def plan_generation(self):
+        """The GenerationConfig for this session's prompt (triforce.cli.common.generation_plan); a prompt
+        too short to retrieve from switches this session to the mode without the retrieval level."""
+        self.run, cfg = generation_plan(self.run, len(self.prompt_ids), self.console)
+        return cfg
+
+    def generator(self, cfg, max_len: int, prefilled=None, mode: str | None = None, models=None) -> Generator:
+        """The Generator generate.py decodes with: the offload factory, CUDA graphs. bench.py builds its
+        systems here too, from a shared prefill (`prefilled`) and with each system's `mode`, so a
+        benchmark times what generate.py runs for the same flags; `models`: another variant of the
+        loaded models (sweep.py's lower weights)."""
+        factory = None
+        if self.run.offload == "host" and prefilled is None:  # a prefill brings its own full cache
+            from triforce.offload import full_cache_factory
+
+            factory = full_cache_factory(device=self.device, prefill_chunk=cfg.prefill_piece(self.device),
+                                         onchip_layers=onchip_layers(self.run), chunk_tokens=self.run.offload_chunk)
+        agree = self.dist.follow_main if self.dist and self.dist.world_size > 1 else None
+        gen = Generator(models or self.loaded.models, cfg, mode or self.run.mode, max_len=max_len,
+                        full_cache_factory=factory, prefilled=prefilled, agree=agree)
+        self._last_full_cache = gen.full.cache
+        if self.cuda_graphs():
+            from triforce.speculative.graphs import enable_cuda_graphs
+
+            enable_cuda_graphs(gen)
+        return gen
+
+    def cuda_graphs(self) -> bool:
+        """--cuda-graphs as asked, or by default on for one CUDA device: eager launches cost a small
+        model's step several times its kernels' time. Off under tensor parallelism by default (its
+        all-reduces would be captured inside the graphs: untested)."""
+        on_cuda = str(self.device).startswith("cuda")
+        if self.run.cuda_graphs and not on_cuda:
+            raise UserError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+        if self.run.cuda_graphs is None:
+            return on_cuda and self.run.tp == 1
+        return self.run.cuda_graphs
+
+    def report(self, cfg, tokens, text, stats) -> dict:
+        run = self.run
+        d = stats.to_dict()
+        acc = d["acceptance"]
+        return {
+            "mode": run.mode, "adaptive": run.adaptive, "modes": d["modes"], "estimates": d["estimates"],
+            "model": run.model, "draft": None if run.mode in ("autoregressive", "retrieval") else self.draft,
+            "prompt_tokens": stats.prompt_tokens, "new_tokens": len(tokens), "tokens": tokens, "text": text,
+            "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
+            "tokens_per_second": stats.tokens_per_second,
+            "acceptance": {"draft": acc.get("draft->middle", acc.get("draft->verify")),
+                           "middle": acc.get("middle->verify")},
+            "tokens_per_full_pass": stats.tokens_per_full_pass, "full_passes": stats.full_passes,
+            "bytes_moved": stats.bytes_moved,
+            "offload": self._offload_timings(),
+            "passes": d["passes"], "seconds": d["seconds"], "rebuilds": stats.rebuilds,
+            "settings": {"dtype": run.dtype, "device": str(self.device), "threads": torch.get_num_threads(),
+                         "threads_why": self.threads_why,
+                         "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,
+                         "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
+                         "rope_scaling": self.config.rope_scaling, "tp": self.dist.world_size if self.dist else 1,
+                         "offload": run.offload, "lower_weights": run.lower_weights},
+        }
+
+    def _offload_timings(self):
+        cache = getattr(self, "_last_full_cache", None)
+        return cache.timings() if cache is not None else None
+
+    def print_stats(self, stats, cfg=None) -> None:
+        print_stats_table(Console(file=self.stdout), self.run.mode, stats, self.run.lower_weights, self.device,
+                          self.choices(cfg))
+
+    def choices(self, cfg=None) -> list[tuple[str, str]]:
+        """The defaults this run decided (dtype, threads, sampling) and why, for the statistics."""
+        run = self.run
+        rows = [("dtype", run.dtype + (" (--dtype auto)" if self.asked_dtype == "auto" else "")),
+                ("threads", f"{torch.get_num_threads()} ({self.threads_why})")]
+        if str(self.device).startswith("cuda"):
+            rows.append(("CUDA graphs", ("on" if self.cuda_graphs() else "off")
+                         + (" (default: one GPU)" if self.run.cuda_graphs is None else "")))
+        if cfg is not None:
+            rows.append(("sampling", "greedy" if cfg.temperature == 0 else
+                         f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))
+        return rows
+
+    def close(self) -> None:
+        if self.dist:
+            self.dist.close()
+
+
+def modes_text(modes: dict) -> str:
+    """An adaptive run's full-cache passes per mode, most used first: 'triforce 40, autoregressive 3'."""
+    return ", ".join(f"{m} {n}" for m, n in sorted(modes.items(), key=lambda kv: -kv[1]))
+
+
+def estimates_text(estimates: dict) -> str:
+    """What an adaptive run predicted last, cheapest first: 'retrieval γ1 410, autoregressive 520'."""
+    parts = []
+    for mode, e in sorted(estimates.items(), key=lambda kv: kv[1]["ms_per_token"]):
+        gamma = f" γ{e['gamma']}" if e["gamma"] else ""
+        parts.append(f"{mode}{gamma} {e['ms_per_token']:.0f}")
+    return ", ".join(parts)
+
+
+def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "same", device=None,
+                      choices: list[tuple[str, str]] = ()) -> None:
+    """The statistics of one generation. With an offloaded full cache (bytes moved counted) the
+    verification row also shows the link floor: the KV streamed per full pass over the pinned
+    host->device bandwidth measured now (CUDA; n/a on CPU, where there is no link to cross).
+    `device`: where the run decoded; when not given, CUDA if this process has initialised it."""
+    from bench.measure import level_ms_per_pass, link_floor
+
+    d = stats.to_dict()
+    title = f"{mode}, adaptive" if stats.modes else mode
+    table = Table(title=f"{title}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    rows = [("prefill", f"{stats.prefill_seconds:.2f} s"), ("decode", f"{stats.decode_seconds:.2f} s"),
+            ("decode tokens/s", _fmt(stats.tokens_per_second)),
+            ("tokens per full-cache pass", _fmt(stats.tokens_per_full_pass)), ("full-cache passes", str(stats.full_passes))]
+    if d["modes"]:
+        rows.append(("full-cache passes per mode", modes_text(d["modes"])))
+        rows.append(("predicted ms per token", estimates_text(d["estimates"])))
+    for key, value in d["acceptance"].items():
+        rows.append((f"acceptance {key}", _fmt(value, 3)))
+    for level in ("draft", "middle", "verify"):
+        if d["passes"][level]:
+            rows.append((f"{level} passes / time", f"{d['passes'][level]} / {d['seconds'][level]:.2f} s"))
+    floor = link_floor(d, _decode_device(device)) if stats.bytes_moved is not None else None
+    for level, ms in level_ms_per_pass(d).items():
+        value = f"{ms:.1f}"
+        if level == "verify" and floor is not None:
+            value += f" (link floor {floor['text']})"
+        rows.append((f"{level} ms per pass", value))
+    if floor is not None and stats.decode_tokens:
+        per_token = "n/a" if floor["ms_per_token"] is None else f"{floor['ms_per_token']:.1f}"
+        rows.append(("decode ms per token / link floor",
+                     f"{1e3 * stats.decode_seconds / stats.decode_tokens:.1f} / {per_token}"))
+    if stats.rebuilds:
+        rows.append(("retrieval cache builds", str(stats.rebuilds)))
+    rows += list(choices)
+    if lower_weights != "same" and (d["passes"]["draft"] or d["passes"]["middle"]):
+        rows.append(("proposing levels' weights", lower_weights))
+    if stats.bytes_moved is not None:
+        rows.append(("bytes moved per token", f"{stats.bytes_moved / max(stats.new_tokens, 1) / 2**20:.1f} MiB"))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+
+
+def _set_threads(threads: int | None) -> str:
+    """Set torch's CPU threads: as asked, else as OMP_NUM_THREADS says (a launcher sharing the cores
+    between ranks), else the cores the machine's load leaves free (triforce/runtime/defaults.py). Returns why."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        return "--threads"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return "OMP_NUM_THREADS"
+    threads, why = auto_threads()
+    torch.set_num_threads(threads)
+    return why
+
+
+def _decode_device(device) -> str:
+    # generate.py's print_stats does not say where it decoded: a process that initialised CUDA did so there
+    if device is not None:
+        return str(device)
+    return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point (small models need KiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def _fmt(x, digits=2):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _setup_parallel(run: RunConfig):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if run.tp == 1 and world == 1:
+        return None
+    return setup_tensor_parallel(run.tp, run.device)
+
+
+def check_flags(run: RunConfig) -> None:
+    """Model flags argparse takes as any integer or string, refused before torch uses them."""
+    if run.threads is not None and run.threads < 1:
+        raise UserError(f"--threads must be at least 1 (got {run.threads}); leave it out for torch's choice")
+    if run.offload_chunk < 1:
+        raise UserError(f"--offload-chunk must be a positive number of tokens (got {run.offload_chunk})")
+    onchip_layers(run)
+
+
+def onchip_layers(run: RunConfig) -> int | str:
+    """--onchip-layers: 'auto' or a number of layers."""
+    value = run.onchip_layers
+    if value == "auto":
+        return value
+    try:
+        layers = int(value)
+    except ValueError:
+        layers = -1
+    if layers < 0:
+        raise UserError(f"--onchip-layers must be 'auto' or a number of layers >= 0 (got {value!r})")
+    return layers
+
+
+def open_session(run: RunConfig, text: str | None, modes=MODES, tokenizer=None) -> Session:
+    """A session with its models loaded for `modes` (all of them unless said); `tokenizer`: the
+    model's, when the caller has loaded it (Qwen's takes 2-4 s a load)."""
+    return Session(run, text, tokenizer).load(modes)

@@ -1,0 +1,186 @@
+"""The full KV cache kept in host memory and streamed to the device layer by layer.
+
+`HostStore` holds K and V of the offloaded layers, pinned when CUDA is present, sized once for
+the longest sequence and written in place. `OffloadedCache` speaks exactly the FullCache
+protocol (begin/attend/end/rollback, queries, chunk_key_means/gather/slice), so every engine runs
+on it unchanged; the first `onchip_layers` layers stay resident on the device.
+
+Layout is token-major, (layers, tokens, kv_heads, head_dim), unlike FullCache's head-major one:
+a layer's live prefix [:length] and every chunk of it is then one contiguous block (one DMA per
+chunk), and it is flash-attn's KV layout. The attention math is `model.attention.attend`
+on a transposed view, so offloading changes no number the model computes.
+"""
+from __future__ import annotations
+
+import torch
+
+from triforce.model.attention import attend
+from triforce.model.kv import KVShape
+from triforce.model.errors import UserError
+
+from .counters import Counters
+from .streamer import Streamer
+
+
+class HostStore:
+    """K and V of `layers` layers for up to `max_len` tokens, in host memory."""
+
+    def __init__(self, layers: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, pin: bool):
+        size = (layers, max_len, heads, head_dim)
+        try:  # empty, not zeros: slots past the length pointer are never read
+            self.k = torch.empty(size, dtype=dtype, pin_memory=pin)
+            self.v = torch.empty(size, dtype=dtype, pin_memory=pin)
+        except RuntimeError as e:
+            gib = 2 * torch.Size(size).numel() * torch.finfo(dtype).bits / 8 / 2**30
+            raise UserError(f"cannot allocate {gib:.1f} GiB of {'pinned ' if pin else ''}host memory for the KV "
+                            f"store ({e.__class__.__name__}); lower --context") from None
+        self.token_bytes = heads * head_dim * self.k.element_size()  # one token of K (or V) in one layer
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class OffloadedCache:
+    """FullCache's interface over a host store, a streamer and optional device-resident layers."""
+
+    def __init__(self, shape: KVShape, max_len: int, prefill_chunk: int = 512, onchip_layers: int = 0,
+                 chunk_tokens: int = 4096, prefetch_next: bool | None = None, pin: bool | None = None):
+        L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
+        if not 0 <= onchip_layers <= L:
+            raise UserError(f"--onchip-layers {onchip_layers} is outside 0..{L} (the model has {L} layers)")
+        self.shape, self.max_len, self.max_feed = shape, max_len, prefill_chunk
+        self.device = torch.device(shape.device)
+        cuda = self.device.type == "cuda"
+        self.onchip = onchip_layers
+        self.resident_k = torch.zeros(onchip_layers, max_len, H, D, dtype=shape.dtype, device=self.device)
+        self.resident_v = torch.zeros_like(self.resident_k)
+        self.store = HostStore(L - onchip_layers, max_len, H, D, shape.dtype, pin=cuda if pin is None else pin)
+        self.counters = Counters()
+        self.streamer = Streamer(self.store, self.device, chunk_tokens, self.counters) if L > onchip_layers else None
+        # prefetching the next pass's first offloaded layer overlaps it with drafting; on CPU the copy
+        # is synchronous, so it would only add the rejected tokens' bytes
+        self.prefetch_next = cuda if prefetch_next is None else prefetch_next
+        self.length = 0
+        self.queries: list[torch.Tensor | None] = [None] * L
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def bytes_moved(self) -> int:
+        """Every host<->device byte so far (the generator reports the part spent while decoding)."""
+        return self.counters.bytes_moved
+
+    def nbytes(self) -> int:
+        staged = self.streamer.nbytes if self.streamer else 0
+        return self.store.nbytes + 2 * self.resident_k.numel() * self.resident_k.element_size() + staged
+
+    # ------------------------------------------------------------------ model protocol
+    def begin(self, T: int) -> torch.Tensor:
+        if self.length + T > self.max_len:
+            raise UserError(f"sequence of {self.length + T} tokens exceeds the cache's {self.max_len}; "
+                            f"lower --max-new-tokens or raise --context")
+        if self.streamer:
+            self.streamer.resolve()
+            self.streamer.begin_pass(self.counters.start_pass(T, self.length))
+            self.streamer.fetch(0, self.length)  # the first offloaded layer; the rest chain in attend
+        return torch.arange(self.length, self.length + T, device=self.device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.queries[layer] = q  # kept for retrieval scoring; (T, Hq, D), rotated
+        start, end = self.length, self.length + k.shape[0]
+        j = layer - self.onchip
+        if j < 0:
+            kb, vb = self.resident_k[layer], self.resident_v[layer]
+        else:
+            kb, vb = self.streamer.acquire(j)
+            if j + 1 < self.store.k.shape[0]:
+                self.streamer.fetch(j + 1, start)  # overlaps with this layer's compute below
+        kb[start:end] = k
+        vb[start:end] = v
+        if j >= 0:
+            self.streamer.write_back(j, start, end)
+        out = attend(q, kb[:end].transpose(0, 1), vb[:end].transpose(0, 1))
+        if j >= 0:
+            self.streamer.release(j)
+        return out
+
+    def end(self, T: int) -> None:
+        self.length += T
+        if self.streamer:
+            self.streamer.end_pass()
+            if self.prefetch_next:
+                self.streamer.fetch(0, self.length)
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+        if self.streamer:
+            self.streamer.truncate(length)
+
+    # ------------------------------------------------------------------ persistence (speculative/kvfile.py)
+    def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (Hkv, end-start, D) of one layer's tokens [start, end), where they live (no copy)."""
+        k, v, _ = self._at_rest(layer)
+        return k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put K, V (Hkv, n, D) into one layer's slots [start, start + n); the length is unchanged."""
+        kb, vb, _ = self._at_rest(layer)
+        if self.streamer:
+            self.streamer.truncate(min(start, self.length))  # staged copies of these slots are stale now
+        kb[start:start + k.shape[1]] = k.transpose(0, 1)
+        vb[start:start + v.shape[1]] = v.transpose(0, 1)
+
+    def fill(self, length: int) -> None:
+        """The first `length` slots now hold the sequence (written with `write`)."""
+        if length > self.max_len:
+            raise ValueError(f"{length} tokens do not fit the cache's {self.max_len}")
+        self.length = length
+
+    def timings(self) -> dict:
+        """Counter summary, with every outstanding CUDA timing event resolved."""
+        if self.streamer:
+            self.streamer.resolve(block=True)
+        return self.counters.summary()
+
+    # ------------------------------------------------------------------ what the retrieval cache reads
+    def _at_rest(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """K, V (max_len, Hkv, D) of a layer where it lives, and whether that is the host store."""
+        j = layer - self.onchip
+        if j < 0:
+            return self.resident_k[layer], self.resident_v[layer], False
+        self.streamer.sync_host()
+        return self.store.k[j], self.store.v[j], True
+
+    def _to_device(self, t: torch.Tensor, from_host: bool) -> torch.Tensor:
+        if not from_host:
+            return t
+        self.counters.add_h2d(t.numel() * t.element_size(), retrieval=True)
+        return t.to(self.device)
+
+    def chunk_key_means(self, layer: int, chunk: int, n_chunks: int) -> torch.Tensor:
+        """(Hkv, n_chunks, D) mean key of each of the first n_chunks complete chunks."""
+        keys, _, host = self._at_rest(layer)
+        keys = keys[:n_chunks * chunk]
+        means = keys.view(n_chunks, chunk, *keys.shape[1:]).float().mean(dim=1)  # where the keys are
+        return self._to_device(means.transpose(0, 1).contiguous(), host)
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (Hkv, n, D) of token positions `index` (Hkv, n), chosen per KV head."""
+        k, v, host = self._at_rest(layer)
+        rows = index.to(k.device)
+        heads = torch.arange(k.shape[1], device=k.device)[:, None]
+        return self._to_device(k[rows, heads], host), self._to_device(v[rows, heads], host)
+
+    def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (layers, Hkv, end-start, D) of tokens [start, end)."""
+        ks = [self.resident_k[:, start:end].transpose(1, 2)]
+        vs = [self.resident_v[:, start:end].transpose(1, 2)]
+        if self.streamer:
+            self.streamer.sync_host()
+            ks.append(self._to_device(self.store.k[:, start:end].transpose(1, 2).contiguous(), True))
+            vs.append(self._to_device(self.store.v[:, start:end].transpose(1, 2).contiguous(), True))
+        return torch.cat(ks), torch.cat(vs)

@@ -1,0 +1,78 @@
+"""Defaults that depend on the machine and the checkpoint, decided once per run and said in the
+statistics: torch threads, the dtype, and the sampling settings.
+
+Threads. On a 2-core machine that also runs other jobs (a laptop, CI), OpenMP threads that spin
+while they wait fight the other jobs for the cores: SmolLM2 decode, 1,024-token context, 1 vs 2
+threads beside two busy processes measured 11.8 vs 0.49 tokens/s in float32 (16.8 vs 3.0 in
+bfloat16). With waiting threads that sleep instead (OMP_WAIT_POLICY=PASSIVE, set by the command-line entry points
+before torch loads its OpenMP runtime: triforce.cli.entry) the collapse is gone (2 threads 5.6 vs 1 thread 4.5 tokens/s under a
+load of 3-5), so "auto" uses the cores the last minute's load average leaves free, at least one.
+
+Dtype. bfloat16 where the CPU computes it natively (avx512_bf16 or AMX): at 1 thread it decoded
+16.8 tokens/s against 11.8 in float32 and prefilled 413 against 198 tokens/s; float32 elsewhere,
+where bfloat16 matmuls are emulated. bfloat16 on a GPU.
+
+Sampling. generate.py with a prompt and chat.py use the checkpoint's own generation settings
+(generation_config.json: do_sample, temperature, top_p, top_k), greedy when it has none. The
+embedded main job continues a novel, where small models loop: SmolLM2-135M over 128 tokens after
+4,096 of Pride and Prejudice, distinct 4-grams per run over 4 seeds: greedy-like 0.2 / top-p 0.9
+(its model card's settings) 0.53-0.66, 0.6 / 0.95 0.11-0.99, 0.8 / 0.95 0.73-1.00, temperature 1
+0.97-1.00; so that job samples from the model's own distribution (temperature 1). Measuring tools
+(bench, sweep) stay greedy, since they compare engines token for token.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]  # triforce/
+# where prepare_models writes and the front ends look: TRIFORCE_MODELS, else models/ beside the
+# package (a source checkout, installed editable)
+MODELS_DIR = Path(os.environ.get("TRIFORCE_MODELS") or PACKAGE.parent / "models")
+DEFAULT_MODEL = MODELS_DIR / "smollm2-135m"
+DEFAULT_PROMPT_FILE = PACKAGE / "data" / "pride_and_prejudice_ch1-9.txt"
+
+
+def auto_threads() -> tuple[int, str]:
+    """(threads, why) for --threads auto: the cores not busy over the last minute, at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on this platform: assume the machine is ours
+        load = 0.0
+    threads = max(1, min(cores, round(cores - load)))
+    return threads, f"auto: {cores} cores, load {load:.1f}"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU computes bfloat16 natively (avx512_bf16 or AMX), from /proc/cpuinfo's flags."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    words = set(flags.split())
+    return "avx512_bf16" in words or "amx_bf16" in words
+
+
+def auto_dtype(device: str) -> str:
+    if str(device).startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def checkpoint_sampling(model_dir: str | Path) -> dict:
+    """temperature / top_p / top_k from the checkpoint's generation_config.json when it samples
+    (do_sample true); {"temperature": 0.0} (greedy) when it has none or does not sample."""
+    try:
+        gen = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        gen = {}
+    if not isinstance(gen, dict) or not gen.get("do_sample") or not gen.get("temperature"):
+        return {"temperature": 0.0}
+    out = {"temperature": float(gen["temperature"])}
+    if gen.get("top_p") is not None:
+        out["top_p"] = float(gen["top_p"])
+    if gen.get("top_k"):
+        out["top_k"] = int(gen["top_k"])
+    return out

@@ -1,0 +1,73 @@
+"""The generation settings: one dataclass, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from triforce.model.errors import UserError
+
+from .retrieval import check_budget_shape
+
+# Prefill pieces: on CPU a prompt of up to 4,096 tokens goes in one piece, whose attention runs as a
+# causal kernel (bench/prefill_rate.py: 1.0-1.8x transformers' rate, SmolLM2 and Qwen2.5-0.5B, fp32
+# and bf16, 4K tokens, against 0.45x in pieces of 512); later pieces attend to the cache under a mask
+# of piece x context. On a GPU the mask of a long piece at 128K context would take gigabytes: pieces
+# stay at 512 there (not measured yet).
+CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 4096, 512
+
+
+@dataclass
+class GenerationConfig:
+    """Everything an engine needs besides the models; validated at construction."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    # retrieval cache (middle level)
+    budget: int = 2048
+    chunk_size: int = 32  # the front ends' defaults and why: triforce/runtime/settings.py
+    rebuild_threshold: float = 0.0  # rebuild when middle acceptance over recent rounds drops below this
+    # speculation lengths: gamma1 drafter tokens per middle pass, gamma2 middle tokens per full pass
+    gamma1: int = 2
+    gamma2: int = 3
+    # StreamingLLM cache for the drafter
+    sink_tokens: int = 4
+    draft_window: int = 256
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward; None: prefill_piece(device)
+    # each full pass runs whichever mode of the built levels measures cheapest (speculative/adaptive.py).
+    # Lossless either way, but which passes ran depends on timings, so a seed fixes a sampled run's
+    # distribution, not its text. Off here (an engine asked for a mode runs that mode: tests, benchmarks);
+    # generate.py and chat.py turn it on (--adaptive, their default)
+    adaptive: bool = False
+    stop_on_eos: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        checks = [
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"),
+            (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy"),
+            (0 < self.top_p <= 1, f"top-p must be in (0, 1] (got {self.top_p})"),
+            (self.top_k >= 0, f"top-k must be >= 0 (got {self.top_k}); 0 turns it off"),
+            (self.gamma1 >= 1, f"gamma1 must be >= 1 (got {self.gamma1})"),
+            (self.gamma2 >= 1, f"gamma2 must be >= 1 (got {self.gamma2})"),
+            (self.sink_tokens >= 0, f"sink tokens must be >= 0 (got {self.sink_tokens})"),
+            (self.draft_window >= 1, f"draft window must be >= 1 (got {self.draft_window})"),
+            (0 <= self.rebuild_threshold <= 1, f"rebuild threshold must be in [0, 1] (got {self.rebuild_threshold})"),
+            (self.prefill_chunk is None or self.prefill_chunk >= 1,
+             f"prefill chunk must be >= 1 (got {self.prefill_chunk})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+        check_budget_shape(self.budget, self.chunk_size)
+
+    def prefill_piece(self, device) -> int:
+        """Prompt tokens per prefill forward on `device`: the setting, else the device's default."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        return GPU_PREFILL_CHUNK if str(device).startswith("cuda") else CPU_PREFILL_CHUNK
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,85 @@
+"""What a Generator is built from: the models, the sizes of its caches, and a prefilled prompt to
+start from (shared between generators, or restored from disk)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from triforce.model.kv import KVShape
+from triforce.model.transformer import Transformer
+
+from .config import GenerationConfig
+
+
+@dataclass
+class Prefilled:
+    """A processed prompt that several generators (one at a time) can decode from."""
+
+    cache: object
+    prompt: list[int]
+    first: int
+    queries: list[torch.Tensor]
+    prefill_seconds: float
+
+
+def self_drafter(target: Transformer, rotary) -> Transformer:
+    """The target's weights drafting for themselves: the target itself, or (with `rotary`) a shallow
+    twin that shares every parameter and the all-reduce hook but computes its own RoPE."""
+    if rotary is None:
+        return target
+    twin = copy.copy(target)
+    twin.rotary = rotary
+    return twin
+
+
+@dataclass
+class Models:
+    target: Transformer
+    drafter: Transformer | None  # None: the target's own weights ("self")
+    # RoPE for the target drafting for itself when this run scaled the target's RoPE for a long
+    # context: the drafter's positions are StreamingLLM slots (sinks + window), always inside the
+    # trained range, where a scaling such as YaRN (new frequencies, attention temperature) only hurts
+    self_draft_rotary: object | None = None
+    # The target's weights as the proposing levels read them (the retrieval middle, a self drafter):
+    # None for the exact weights, or an approximation (quant.int8_twin) that is cheaper to read. Only
+    # acceptance depends on it; the full-cache level verifies with `target`.
+    proposing_target: Transformer | None = None
+
+    def proposers(self, modes) -> tuple[bool, bool]:
+        """Whether any of `modes` proposes with the target's weights (the retrieval middle, or a self
+        drafter), and whether any runs the separate drafter: the levels worth a cheaper copy."""
+        drafts = any(m in ("speculative", "triforce") for m in modes)
+        middle = any(m in ("retrieval", "triforce") for m in modes)
+        return middle or (drafts and self.drafter is None), drafts and self.drafter is not None
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """Slots of every cache a Generator allocates, decided here once. The offload planner reads
+    `after_full_bytes` to keep device memory for the caches made after the full one."""
+
+    full: int  # every token: the longest sequence plus one round's proposals
+    budget: int | None  # the retrieval cache's persistent slots (None: no middle level)
+    scratch: int  # the retrieval cache's slots for one round's proposals
+    streaming_slack: int | None  # the drafter's eviction slack (None: no drafter)
+    sinks: int
+    window: int
+
+    @classmethod
+    def of(cls, cfg: GenerationConfig, mode: str, max_len: int) -> "CacheSizes":
+        margin = cfg.gamma1 + cfg.gamma2 + 2  # tokens one round can add beyond the committed ones
+        return cls(full=max_len + margin,
+                   budget=cfg.budget if mode in ("retrieval", "triforce") else None, scratch=margin + 1,
+                   streaming_slack=max(64, margin + 1) if mode in ("speculative", "triforce") else None,
+                   sinks=cfg.sink_tokens, window=cfg.draft_window)
+
+    def after_full_bytes(self, target: KVShape, drafter: KVShape | None) -> int:
+        """Bytes of the retrieval and StreamingLLM caches."""
+        total = 0
+        if self.budget is not None:
+            total += target.bytes_per_token * (self.budget + self.scratch)
+        if self.streaming_slack is not None:
+            total += (drafter or target).bytes_per_token * (self.sinks + self.window + self.streaming_slack)
+        return total
