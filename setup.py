@@ -24,10 +24,10 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "triforce-generate=triforce.cli:generate",
-            "triforce-chat=triforce.cli:chat",
-            "triforce-prepare=triforce.cli:prepare",
-            "triforce-tp=triforce.cli:tp",
+            "triforce-generate=triforce.cli.entry:generate",
+            "triforce-chat=triforce.cli.entry:chat",
+            "triforce-prepare=triforce.cli.entry:prepare",
+            "triforce-tp=triforce.cli.entry:tp",
         ],
     },
 )

@@ -1,9 +1,11 @@
 """`python -m triforce generate|chat|prepare|tp [flags]`: the console scripts without installing them."""
 from __future__ import annotations
 
+import importlib
 import sys
 
-from triforce.cli import COMMANDS, prepare_process
+from triforce.cli import prepare_process
+from triforce.cli.entry import COMMANDS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,8 +16,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     sys.argv = [f"triforce {argv[0]}", *argv[1:]]
     prepare_process()
-    import importlib
-
     importlib.import_module(COMMANDS[argv[0]]).cli()
 
 

@@ -14,18 +14,3 @@ def prepare_process() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-
-def _entry(module: str):
-    def run() -> None:
-        prepare_process()  # before the command's module imports torch
-        import importlib
-
-        importlib.import_module(module).cli()
-    run.__name__ = run.__qualname__ = module.rsplit(".", 1)[-1]
-    run.__doc__ = f"Console entry point: {module}.cli after prepare_process()."
-    return run
-
-
-COMMANDS = {"generate": "triforce.cli.generate", "chat": "triforce.cli.chat",
-            "prepare": "triforce.cli.prepare_models", "tp": "triforce.cli.launch_tp"}
-generate, chat, prepare, tp = (_entry(COMMANDS[name]) for name in ("generate", "chat", "prepare", "tp"))

@@ -8,7 +8,7 @@ import torch
 
 from bench import prefill_rate
 
-from .conftest import save_tiny, save_tokenizer
+from ..conftest import save_tiny, save_tokenizer
 
 
 @pytest.fixture(scope="module")

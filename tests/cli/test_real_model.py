@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "smollm2-135m"
 BOOK = ROOT.parent / "shared" / "data" / "books" / "persuasion.txt"
 

@@ -20,9 +20,9 @@ from triforce.model.quant import (INT8_KERNEL_MAX_ROWS, Int8Linear, int8_twin, l
                                with_lower_weights)
 from triforce.speculative.sampling import Sampler
 
-from .cli import assert_one_line_error, run
-from .conftest import save_tiny
-from .test_sampling import SETTINGS, chi_square_rejects, exact_joint, models, sample_joint  # noqa: F401 (fixture)
+from ..helpers import assert_one_line_error, run
+from ..conftest import save_tiny
+from ..speculative.test_sampling import SETTINGS, chi_square_rejects, exact_joint, models, sample_joint  # noqa: F401 (fixture)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -15,7 +15,7 @@ from triforce.cli import chat, chat_book
 from triforce.cli.common import run_cli
 from triforce.speculative import Generator, kvfile
 
-from .conftest import save_tiny, save_tokenizer
+from ..conftest import save_tiny, save_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -370,14 +370,14 @@ def test_rank0_input_is_broadcast(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- real model
-SMOLLM = chat.Path(__file__).resolve().parents[1] / "models" / "smollm2-135m"
+SMOLLM = chat.Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM.is_dir(), reason="models/smollm2-135m missing: run triforce-prepare")
 def test_smollm2_chat_template_cache_and_lossless_turns(tmp_path, capsys):
     """SmolLM2's ChatML template, the answer ending at <|im_end|>, the saved cache, lossless turns."""
-    book = chat.Path(__file__).resolve().parents[1] / "triforce" / "data" / "pride_and_prejudice_ch1-9.txt"
+    book = chat.Path(__file__).resolve().parents[2] / "triforce" / "data" / "pride_and_prejudice_ch1-9.txt"
     opts = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
                             "--max-new-tokens", "24", "--room", "200", "--budget", "256", "--temperature", "0",
                             "--cache-dir", str(tmp_path)])  # greedy: compared with autoregressive decoding

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "triforce" / "cli" / "prepare_models.py"
+_PATH = Path(__file__).resolve().parents[2] / "triforce" / "cli" / "prepare_models.py"
 _spec = importlib.util.spec_from_file_location("prepare_models_under_test", _PATH)
 pm = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = pm  # dataclasses looks the module up while the file executes

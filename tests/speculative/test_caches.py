@@ -11,7 +11,7 @@ from triforce.model.loader import load_model
 from triforce.speculative.retrieval import RetrievalCache, check_budget, plan_selection
 from triforce.model.rope import Rotary
 
-from .conftest import save_tiny
+from ..conftest import save_tiny
 
 SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float64, device=torch.device("cpu"))
 

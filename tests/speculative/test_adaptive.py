@@ -14,8 +14,8 @@ from triforce.speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCo
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
 
-from .cli import run
-from .conftest import save_tiny
+from ..helpers import run
+from ..conftest import save_tiny
 from .test_sampling import PROMPT as SAMPLING_PROMPT, SETTINGS as SAMPLING_SETTINGS
 from .test_sampling import chi_square_rejects, exact_joint, models  # noqa: F401 (models: a fixture)
 

@@ -25,7 +25,7 @@ from triforce.speculative.caches import FullCache
 from triforce.speculative.retrieval import RetrievalCache, chunk_scores, plan_selection
 from triforce.speculative.sampling import Sampler
 
-from .conftest import save_tiny
+from ..conftest import save_tiny
 
 # ----------------------------------------------------------------------------------------------
 # statistics (no scipy here): chi-square survival function from the regularised gamma function

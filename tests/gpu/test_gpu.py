@@ -10,7 +10,7 @@ from triforce.model import attention
 from triforce.speculative.engine import Generator
 from triforce.model.loader import load_model
 
-from .conftest import save_tiny
+from ..conftest import save_tiny
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 flash = pytest.mark.skipif(torch.cuda.is_available() and attention._FLASH is None,

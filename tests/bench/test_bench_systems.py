@@ -13,7 +13,7 @@ from bench import bench, bench_report, measure
 from bench.measure import OURS
 from triforce.cli.session import Session, open_session, print_stats_table
 
-from .conftest import save_tiny, save_tokenizer
+from ..conftest import save_tiny, save_tokenizer
 
 CONTEXT, NEW = 160, 10
 

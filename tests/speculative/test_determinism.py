@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from .cli import run
+from ..helpers import run
 
 PROMPT = " ".join(f"t{i % 60 + 3}" for i in range(200))
 NEW_TOKENS = 48  # a random tiny model spreads its probability: two seeds agreeing on 48 tokens is ~impossible

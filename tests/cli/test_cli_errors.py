@@ -15,8 +15,8 @@ from triforce.cli.common import generation_config
 from triforce.cli.session import HOST_MEMORY_ENV, check_flags, host_available_bytes
 from triforce.speculative import UserError
 
-from .cli import assert_one_line_error, run
-from .conftest import save_tiny, save_tokenizer
+from ..helpers import assert_one_line_error, run
+from ..conftest import save_tiny, save_tokenizer
 
 PROMPT = " ".join(f"t{i % 60 + 3}" for i in range(200))  # 273 tokens for generate.py, 237 + template for chat
 TEXT_FLAG = {"generate": "--prompt-file", "chat": "--book"}

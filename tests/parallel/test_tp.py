@@ -27,9 +27,9 @@ from triforce.speculative.caches import FullCache
 from triforce.model.loader import load_model
 from triforce.model.quant import int8_twin
 
-from .conftest import save_tiny, save_tokenizer
+from ..conftest import save_tiny, save_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 TIMEOUT_S = 10.0  # collective timeout in the failure tests: short, so a hang is found quickly
 LOGIT_MODELS = {  # name -> save_tiny arguments: GQA, q/k/v biases (qwen2), o_proj bias (row-parallel)

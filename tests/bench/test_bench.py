@@ -9,7 +9,7 @@ import torch
 from bench import bench, measure, traffic
 from bench.hf_peers import HFSystems
 
-from .conftest import save_tiny, save_tokenizer
+from ..conftest import save_tiny, save_tokenizer
 
 SYSTEMS = "autoregressive,speculative,retrieval,triforce,adaptive,hf-generate"
 

@@ -7,7 +7,7 @@ from triforce.model.loader import load_model
 from triforce.offload import full_cache_factory
 from triforce.speculative import GenerationConfig, Generator, Models, kvfile
 
-from .conftest import save_tiny
+from ..conftest import save_tiny
 
 CFG = GenerationConfig(max_new_tokens=12, budget=32, chunk_size=8, gamma1=2, gamma2=3, draft_window=16,
                        prefill_chunk=16)

@@ -5,7 +5,7 @@ import torch
 from triforce.speculative import GenerationConfig, Models, generate_ids
 from triforce.model.loader import load_model
 
-from .conftest import save_tiny, save_tokenizer
+from ..conftest import save_tiny, save_tokenizer
 
 
 @pytest.fixture(scope="module")

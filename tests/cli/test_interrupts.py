@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .cli import ROOT, command
-from .conftest import save_tiny, save_tokenizer
+from ..helpers import ROOT, command
+from ..conftest import save_tiny, save_tokenizer
 
 PROMPT = " ".join(f"t{3 + i % 60}" for i in range(300))
 NEW_TOKENS = 30000  # at ~1000 tokens/s on a tiny model: far more than the test waits for

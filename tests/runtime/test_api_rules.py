@@ -11,7 +11,7 @@ from triforce.model.rope import max_auto_positions, scaled_for
 from triforce.speculative import GenerationConfig, generate, load
 from triforce.speculative.retrieval import mode_for_prompt
 
-from .conftest import save_tiny, save_tokenizer
+from ..conftest import save_tiny, save_tokenizer
 
 
 @pytest.fixture(scope="module")

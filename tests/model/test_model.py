@@ -7,7 +7,7 @@ from triforce.model.config import ModelConfig
 from triforce.model.loader import load_model
 from triforce.model.rope import rope_frequencies
 
-from .conftest import hf_config, save_tiny, save_tokenizer
+from ..conftest import hf_config, save_tiny, save_tokenizer
 
 CASES = {
     "llama-gqa": dict(model_type="llama"),

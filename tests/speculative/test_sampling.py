@@ -17,7 +17,7 @@ from triforce.speculative.caches import FullCache
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
 
-from .conftest import save_tiny
+from ..conftest import save_tiny
 
 VOCAB = 8
 SAMPLES = 3000

@@ -13,7 +13,7 @@ from triforce.speculative.engine import CacheSizes, Generator
 from triforce.model.errors import UserError
 from triforce.model.loader import load_model
 
-from .conftest import save_tiny
+from ..conftest import save_tiny
 
 SHAPE = KVShape(num_layers=5, num_kv_heads=2, head_dim=4, dtype=torch.float64, device=torch.device("cpu"))
 HQ = 4
