@@ -56,7 +56,7 @@ from bench.bench_report import hardware, hardware_line, plot, print_table, wide
 from bench.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems
 from bench.measure import (OURS, TIE_ULPS, build_system, engine_mode, first_mismatch, level_ms_per_pass, link_floor,
                              logit_gap_ulps, seed_config, shared_prefill, ties_only, timed_run)
-from triforce.cli.session import open_session
+from triforce.cli.common import open_session
 from bench.traffic import Traffic, bytes_read
 from triforce.speculative import ModelConfig, UserError
 
@@ -139,7 +139,7 @@ def _systems(flag: str) -> tuple[str, ...]:
     return systems
 
 
-def system_configs(run: RunConfig, systems, prompt_len: int, console=None) -> dict:
+def system_configs(run: RunConfig, systems, prompt_len: int, say=None) -> dict:
     """{mode: GenerationConfig} of our systems, each from its own mode's defaults as generate.py
     resolves them (the budget comes out the same for every mode that retrieves); the budget note
     is said once."""
@@ -147,7 +147,7 @@ def system_configs(run: RunConfig, systems, prompt_len: int, console=None) -> di
     for system in [s for s in systems if s in OURS]:
         mode = engine_mode(system)
         cfgs[system] = generation_config(replace(run, mode=mode, adaptive=mode != system), prompt_len,
-                                         None if cfgs else console)
+                                         None if cfgs else say)
     return cfgs
 
 
@@ -156,7 +156,7 @@ def bench_context(session, plan: BenchPlan, ids, context, hf=None, hf_skip=None)
     hf_skip = dict(hf_skip or {})
     prompt = ids[-context:]
     max_len = len(prompt) + plan.new_tokens
-    cfgs = system_configs(session.run, plan.systems, len(prompt), session.console)
+    cfgs = system_configs(session.run, plan.systems, len(prompt), session.say)
     # transformers' systems sample (or not) as ours do: the autoregressive mode's settings
     base = generation_config(replace(session.run, mode="autoregressive"), len(prompt))
     prefilled = shared_prefill(session, cfgs, prompt, max_len, f"prefill {context}") if cfgs else None

@@ -162,7 +162,7 @@ def compare(plan: ComparePlan) -> dict:
     from bench.bench import system_configs
     from bench.measure import build_system, first_mismatch, shared_prefill, ties_only, timed_run
     from triforce.parallel import resolve_device
-    from triforce.cli.session import open_session
+    from triforce.cli.common import open_session
     from triforce.speculative import UserError
     from triforce.speculative.engine import synchronize
 
@@ -196,7 +196,7 @@ def compare(plan: ComparePlan) -> dict:
     wide(console).print(f"[bold]hardware:[/] {hw_line}")
 
     # each of our modes with its own defaults, built as generate.py builds it (as bench.py does)
-    cfgs = system_configs(session.run, plan.modes, len(prompt), console)
+    cfgs = system_configs(session.run, plan.modes, len(prompt), session.say)
     cfg = cfgs.get("triforce") or generation_config(replace(session.run, mode="triforce"), len(prompt))
     max_len = len(prompt) + plan.new_tokens
     prefilled = shared_prefill(session, cfgs, prompt, max_len, "prefill (ours)") if cfgs else None

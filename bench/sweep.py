@@ -24,7 +24,7 @@ from triforce.cli.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args
                             generation_config, read_text, run_cli, run_config)
 from triforce.cli.progress import prefill_progress
 from bench.measure import TIE_ULPS, first_mismatch, logit_gap_ulps, run_system
-from triforce.cli.session import open_session
+from triforce.cli.common import open_session
 from triforce.speculative import Generator, UserError
 from triforce.model.quant import resolve_lower_weights, with_lower_weights
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     plan = parse_args(argv)
     session = open_session(plan.run, read_text(plan.prompt_file or DEFAULT_PROMPT_FILE))
     prompt = session.prompt_ids
-    base = generation_config(replace(session.run, mode="triforce"), len(prompt), session.console)
+    base = generation_config(replace(session.run, mode="triforce"), len(prompt), session.say)
     max_len = len(prompt) + plan.new_tokens
     seed = Generator(session.loaded.models, base, "autoregressive", max_len=max_len)
     progress, advance = prefill_progress(session.console, len(prompt), f"prefill {len(prompt)}")

@@ -109,7 +109,7 @@ def test_compare_deepspeed_says_in_one_line_why_it_cannot_run(tmp_path, models, 
 
 def test_teacher_forced_agrees_with_its_own_greedy_run(tmp_path, models):
     """The tie diagnostic: transformers fed its own greedy tokens ranks every one of them first."""
-    from triforce.cli.session import open_session
+    from triforce.cli.common import open_session
     from triforce.speculative import GenerationConfig
 
     target, _, book = models
@@ -138,7 +138,7 @@ def test_sweep_rows_and_the_tie_check_tells_a_tie_from_a_divergence(tmp_path, mo
     from bench import sweep
     from bench.measure import TIE_ULPS, logit_gap_ulps, run_system
     from triforce.cli.common import generation_config
-    from triforce.cli.session import open_session
+    from triforce.cli.common import open_session
     from triforce.speculative import Generator
 
     target, _, book = models

@@ -11,7 +11,9 @@ from rich.console import Console
 
 from bench import bench, bench_report, measure
 from bench.measure import OURS
-from triforce.cli.session import Session, open_session, print_stats_table
+from triforce.cli.common import open_session
+from triforce.cli.stats import print_stats_table
+from triforce.runtime.session import Session
 
 from ..conftest import save_tiny, save_tokenizer
 

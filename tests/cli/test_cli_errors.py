@@ -7,12 +7,17 @@ import json
 import shutil
 from dataclasses import dataclass, field
 
+import subprocess
+import sys
+
 import pytest
 
 from triforce.cli import chat, generate
 from triforce.parallel import resolve_device
 from triforce.cli.common import generation_config
-from triforce.cli.session import HOST_MEMORY_ENV, check_flags, host_available_bytes
+from triforce.runtime.session import HOST_MEMORY_ENV, host_available_bytes
+from triforce.runtime.settings import check_flags, make_settings
+from triforce.cli.common import as_flags
 from triforce.speculative import UserError
 
 from ..helpers import assert_one_line_error, run
@@ -120,13 +125,29 @@ def test_bad_input(inputs, front, case):
     (["--onchip-layers", "-2"], "--onchip-layers must be 'auto' or a number"),
 ])
 def test_model_flags_refused_before_torch_uses_them(flags, words):
-    with pytest.raises(UserError, match=words):
-        check_flags(generate.parse_args(["--prompt", "t3", *flags]).run)
+    """Refused while parsing, before torch is imported; the library names the setting, the command
+    line the flag."""
+    with pytest.raises(UserError) as refused:
+        generate.parse_args(["--prompt", "t3", *flags])
+    assert words in as_flags(str(refused.value))
+    with pytest.raises(UserError):
+        check_flags(make_settings(None, None, **dict(zip([f.lstrip("-").replace("-", "_") for f in flags[::2]],
+                                                         [int(v) if v.lstrip("-").isdigit() else v for v in flags[1::2]]))))
+
+
+def test_flag_checks_import_no_torch():
+    """`triforce generate --max-new-tokens -5` is refused in well under a second: before torch loads."""
+    code = ("import sys; from triforce.cli import generate\n"
+            "try:\n    generate.parse_args(['--max-new-tokens', '-5'])\nexcept Exception as e:\n    print(e)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split("\n")
+    assert out[:2] == ["Settings.max_new_tokens must be >= 1 (got -5)", "False"], out
 
 
 def test_unknown_device_is_named():
-    with pytest.raises(UserError, match="--device tpu not understood: use cpu, cuda"):
+    with pytest.raises(UserError) as refused:
         resolve_device("tpu")
+    assert as_flags(str(refused.value)).startswith("--device tpu not understood: use cpu, cuda")
 
 
 def test_chunk_size_zero_is_named_not_a_division_by_zero():

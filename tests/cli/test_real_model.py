@@ -71,7 +71,7 @@ def test_2000_tokens_at_16k_stay_lossless():
     from bench import sweep
     from triforce.cli.common import generation_config, read_text
     from bench.measure import run_system
-    from triforce.cli.session import open_session
+    from triforce.cli.common import open_session
     from triforce.speculative import Generator
 
     plan = sweep.parse_args(["--model", str(MODEL), "--draft", "self", "--context", "16384", "--new-tokens", "2000",

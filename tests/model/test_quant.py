@@ -87,7 +87,7 @@ def test_sampled_distribution_is_exact(models):  # noqa: F811 (the fixture)
 
 
 def test_unknown_kind_is_refused(tiny):
-    with pytest.raises(UserError, match="--lower-weights"):
+    with pytest.raises(UserError, match="Settings.lower_weights"):
         lower_weights_for(tiny, "int4")
 
 
@@ -119,7 +119,7 @@ def test_auto_is_int8_in_half_precision_on_cpu_only():
 def test_stats_table_names_int8_proposers(tiny):
     from rich.console import Console
 
-    from triforce.cli.session import print_stats_table
+    from triforce.cli.stats import print_stats_table
 
     ids = torch.randint(0, 48, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     cfg = GenerationConfig(max_new_tokens=8, budget=16, chunk_size=4, gamma1=2, gamma2=3, draft_window=8, sink_tokens=2)
@@ -160,5 +160,5 @@ def test_only_the_levels_a_mode_runs_get_a_cheaper_copy(tiny, modes, separate, t
     lowered = with_lower_weights(models, "int8", target, draft)
     assert (lowered.proposing_target is not None) == target_twin
     assert (lowered.drafter is not drafter) == drafter_twin and lowered.target is tiny
-    with pytest.raises(UserError, match="unknown --lower-weights"):
+    with pytest.raises(UserError, match="unknown Settings.lower_weights"):
         with_lower_weights(models, "int4", target, draft)

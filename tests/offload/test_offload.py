@@ -168,15 +168,15 @@ def test_planner_fills_free_memory_with_onchip_layers():
 
 
 def test_planner_errors_say_what_is_missing_and_what_to_change():
-    with pytest.raises(UserError, match=r"5\.00 GiB missing.*--onchip-layers 4"):
+    with pytest.raises(UserError, match=r"5\.00 GiB missing.*Settings.onchip_layers 4"):
         plan(req(onchip_layers=7), free=31 * GiB)
-    with pytest.raises(UserError, match=r"1\.00 GiB missing.*lower --context to about 98304 tokens"):
+    with pytest.raises(UserError, match=r"1\.00 GiB missing.*lower Settings.context to about 98304 tokens"):
         plan(req(), free=21 * GiB)
-    with pytest.raises(UserError, match=r"missing.*--budget"):
+    with pytest.raises(UserError, match=r"missing.*GenerationConfig.budget"):
         plan(req(), free=10 * GiB)
     with pytest.raises(UserError, match=r"outside 0\.\.32"):
         plan(req(onchip_layers=33), free=100 * GiB)
-    with pytest.raises(UserError, match=r"whole KV cache does not fit.*--offload host"):
+    with pytest.raises(UserError, match=r"whole KV cache does not fit.*Settings.offload host"):
         plan(req(offload=False), free=30 * GiB)
     assert plan(req(offload=False), free=82 * GiB).onchip_layers == 32
 

@@ -8,7 +8,9 @@ import torch
 from triforce.model.config import ModelConfig
 from triforce.model.errors import UserError
 from triforce.model.rope import max_auto_positions, scaled_for
-from triforce.speculative import GenerationConfig, generate, load
+import triforce
+from triforce.runtime.loading import load
+from triforce.speculative import GenerationConfig, generate_ids
 from triforce.speculative.retrieval import mode_for_prompt
 
 from ..conftest import save_tiny, save_tokenizer
@@ -28,38 +30,42 @@ def words(n: int) -> list[int]:
     return [3 + i % 60 for i in range(n)]
 
 
+# the API's settings for these tests: what the command-line tests pass as flags (tests/helpers.py)
+SMALL = dict(draft="self", device="cpu", threads=1, temperature=0.0, adaptive=False)
+
+
 def test_long_prompt_gets_yarn_and_a_note(short_model, caplog):
     cfg = GenerationConfig(max_new_tokens=4, budget=32, chunk_size=8)
     with caplog.at_level(logging.WARNING, logger="triforce"):
-        result = generate(short_model, "self", words(100), mode="autoregressive", config=cfg)
+        result = triforce.generate(words(100), model=str(short_model), mode="autoregressive", max_new_tokens=4,
+                                   dtype="float32", **SMALL)
     assert len(result.tokens) == 4
     notes = [r.getMessage() for r in caplog.records if "YaRN" in r.getMessage()]
     assert notes == ["104 tokens exceed the 64 trained positions: applying YaRN RoPE scaling x1.75 "
-                     "(--rope-scaling none refuses instead)"]
+                     "(Settings.rope_scaling none refuses instead)"]
     # the same tokens as a model loaded with that scaling by hand
     scaled, _ = scaled_for(ModelConfig.from_folder(short_model), 104)
-    by_hand = generate(load(short_model, "self", target_config=scaled), None, words(100), mode="autoregressive",
-                       config=cfg)
+    by_hand = generate_ids(load(short_model, "self", target_config=scaled).models, words(100), "autoregressive", cfg)
     assert by_hand.tokens == result.tokens
 
 
 def test_rope_none_refuses_and_auto_names_the_largest_context(short_model):
     with pytest.raises(UserError, match="refuses to extend"):
-        generate(short_model, "self", words(100), mode="autoregressive",
-                 config=GenerationConfig(max_new_tokens=4), rope_scaling="none")
+        triforce.generate(words(100), model=str(short_model), mode="autoregressive", max_new_tokens=4,
+                          rope_scaling="none", **SMALL)
     cfg = ModelConfig.from_folder(short_model)
     assert max_auto_positions(cfg) == 64 * 32
-    with pytest.raises(UserError, match=f"use --context {64 * 32 - 10} or less"):
+    with pytest.raises(UserError, match=f"use Settings.context {64 * 32 - 10} or less"):
         scaled_for(cfg, 64 * 32 + 1, new_tokens=10)
     scaled_for(cfg, 64 * 32)  # the boundary itself is accepted
 
 
 def test_short_prompt_falls_back_without_retrieval(tiny_folder, caplog):
-    cfg = GenerationConfig(max_new_tokens=6, budget=64, chunk_size=8)
     with caplog.at_level(logging.WARNING, logger="triforce"):
-        fallback = generate(tiny_folder, "self", words(20), mode="triforce", config=cfg)
+        fallback = triforce.generate(words(20), model=str(tiny_folder), mode="triforce", max_new_tokens=6,
+                                     chunk_size=8, **SMALL)
     assert any("runs as speculative" in r.getMessage() for r in caplog.records)
-    reference = generate(tiny_folder, "self", words(20), mode="autoregressive", config=cfg)
+    reference = triforce.generate(words(20), model=str(tiny_folder), mode="autoregressive", max_new_tokens=6, **SMALL)
     assert fallback.tokens == reference.tokens  # greedy: lossless whatever the levels
     assert fallback.stats.to_dict()["acceptance"].keys() == {"draft->verify"}
 

@@ -30,9 +30,10 @@ try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, n
     from rich.markup import escape
 
     from triforce.cli.chat_book import Book, ChatOptions, load_or_prefill, prepare_book, stop_ids
-    from triforce.cli.common import (add_engine_args, add_model_args, generation_plan, read_text,
+    from triforce.cli.common import (as_flags, add_engine_args, add_model_args, generation_plan, read_text,
                                 replace, run_cli, run_config)
-    from triforce.cli.session import modes_text, open_session, print_stats_table
+    from triforce.cli.common import open_session
+    from triforce.cli.stats import modes_text, print_stats_table
     from triforce.speculative import ModelConfig, UserError
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
@@ -323,7 +324,7 @@ def start(opts: ChatOptions, interactive: bool | None = None) -> Chat:
     total = len(book.prompt) + opts.room
     # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
     # that is the book plus the conversation's room, and the book is already cut to --context
-    run, cfg = generation_plan(run, len(book.prompt), console)  # bad settings are refused before the weights load
+    run, cfg = generation_plan(run, len(book.prompt), lambda note: console.print(f"[yellow]note:[/] {escape(as_flags(note))}"))  # bad settings are refused before the weights load
     session = open_session(replace(run, max_new_tokens=total, context=None), None, modes=(run.mode,), tokenizer=tok)
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(opts, session, gen, book, console)

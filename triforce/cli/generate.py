@@ -1,8 +1,10 @@
 """The main job: generate from a (long) prompt with one of the four engines.
 
-    triforce-generate                                  # embedded default: a book prefix, smollm2
+    triforce-generate                                  # embedded default: a book prefix, SmolLM2
     triforce-generate --prompt-file book.txt --context 16384 --max-new-tokens 256
     triforce-generate --mode autoregressive --json     # one JSON object on stdout
+
+The same run as `triforce.generate(...)` in Python (triforce.runtime.api.run_generation).
 """
 from __future__ import annotations
 
@@ -10,22 +12,24 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-from triforce.cli.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,
-                            read_text, run_cli, run_config)
+from triforce.cli.common import (DEFAULT_PROMPT_FILE, Settings, add_engine_args, add_model_args, check_flags,
+                                 make_settings, open_session, read_text, run_cli)
 from triforce.cli.progress import prefill_progress
 
 
 @dataclass(frozen=True)
 class GenerateOptions:
-    run: RunConfig
+    run: Settings
     prompt: str | None  # the prompt text itself, or None: read prompt_file
     prompt_file: str | None
     json: bool
 
 
 def parse_args(argv) -> GenerateOptions:
+    from triforce.runtime.api import embedded_job
+    from triforce.runtime.settings import with_sampling
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_engine_args(p, adaptive=True)
@@ -35,71 +39,55 @@ def parse_args(argv) -> GenerateOptions:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)
-    embedded = args.prompt is None and args.prompt_file is None  # the book prefix: its last 4,096 tokens
-    context = 4096 if embedded and args.context is None else args.context
-    # The embedded job continues a novel: the model's own distribution (temperature 1) does not loop
-    # there, where SmolLM2's chat settings (0.2 / top-p 0.9) and greedy decoding do (README, "the
-    # main job"); a prompt of the user's gets the checkpoint's settings
-    sampling = "model" if embedded else "checkpoint"
-    return GenerateOptions(run_config(args, sampling=sampling, context=context), args.prompt,
-                           str(DEFAULT_PROMPT_FILE) if embedded else args.prompt_file, args.json)
+    run = make_settings(args, None)
+    check_flags(run)  # before anything reads a file or imports torch
+    embedded = args.prompt is None and args.prompt_file is None
+    if embedded:
+        run = embedded_job(run)
+    run = with_sampling(run, "checkpoint")
+    return GenerateOptions(run, args.prompt, str(DEFAULT_PROMPT_FILE) if embedded else args.prompt_file, args.json)
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    run = opts.run
     text = opts.prompt if opts.prompt is not None else read_text(opts.prompt_file)
     # imported here, not at the top, so that torch first loads under run_cli, where a Ctrl-C during
     # its import is a clean "interrupted"
-    from triforce.cli.session import Session
+    from triforce.cli.stats import print_session_stats
+    from triforce.runtime.api import run_generation
 
-    session = Session(run, text)
-    console, out = session.console, session.stdout
-    ids = session.prompt_ids
-    cfg = session.plan_generation()  # bad settings are refused before the weights load
-    session.load(modes=(session.run.mode,))
-    gen = session.generator(cfg, max_len=len(ids) + run.max_new_tokens)
+    session = open_session(opts.run, text, load=False)
+    out = session.stdout
+    progress, advance = prefill_progress(session.console, len(session.prompt_ids))
+    left = [len(session.prompt_ids)]
 
-    progress, advance = prefill_progress(console, len(ids))
-    with progress if session.is_main else _null():
-        gen.prefill(ids, progress=advance if session.is_main else None)
-
-    tokenizer = session.tokenizer
-    generated: list[int] = []
-    shown = 0
-
-    def stream(new_tokens, _level):
-        nonlocal shown
-        generated.extend(new_tokens)
-        if opts.json or not session.is_main:
+    def on_prefill(n: int) -> None:  # the bar shows from the prefill's start until its last token
+        if n == 0:
+            progress.start()
             return
-        text_so_far = tokenizer.decode(generated, skip_special_tokens=True)
-        if text_so_far.endswith("\ufffd"):  # a multi-byte character still incomplete
-            return
-        out.write(text_so_far[shown:])
-        out.flush()
-        shown = len(text_so_far)
+        advance(n)
+        left[0] -= n
+        if left[0] <= 0:
+            progress.stop()
 
-    tokens = gen.generate(on_tokens=stream)
-    stats = gen.stats
+    def write(piece: str) -> None:
+        if not opts.json:
+            out.write(piece)
+            out.flush()
+
+    try:
+        result = run_generation(session, on_text=write, on_prefill=on_prefill if session.is_main else None)
+    finally:
+        progress.stop()
     if not session.is_main:
         return 0
-    text_out = tokenizer.decode(tokens, skip_special_tokens=True)
     if opts.json:
-        out.write(json.dumps(session.report(cfg, tokens, text_out, stats)) + "\n")
+        out.write(json.dumps(result.report) + "\n")
     else:
-        out.write(text_out[shown:] + "\n")
-        session.print_stats(stats, cfg)
+        out.write("\n")
+        print_session_stats(session, result.stats, result.config)
     session.close()
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def cli() -> None:

@@ -104,7 +104,7 @@ class ModelConfig:
         path = Path(folder) / "config.json"
         if not Path(folder).is_dir():
             raise UserError(f"model folder {folder} does not exist; run triforce-prepare "
-                            f"or pass --model DIR with an HF-format checkpoint")
+                            f"or pass Settings.model DIR with an HF-format checkpoint")
         if not path.is_file():
             raise UserError(f"{folder} has no config.json; pass an HF-format checkpoint folder")
         try:

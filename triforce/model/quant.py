@@ -112,12 +112,12 @@ def resolve_lower_weights(kind: str, device, dtype: torch.dtype = torch.bfloat16
 def lower_weights_for(model: nn.Module, kind: str) -> nn.Module | None:
     """The model the proposing levels run for `--lower-weights kind`; None means the model itself."""
     if kind not in LOWER_WEIGHTS:
-        raise UserError(f"unknown --lower-weights '{kind}': choose one of {', '.join(LOWER_WEIGHTS)}")
+        raise UserError(f"unknown Settings.lower_weights '{kind}': choose one of {', '.join(LOWER_WEIGHTS)}")
     if kind == "same":
         return None
     if model.embed.weight.device.type != "cpu":
-        raise UserError("--lower-weights int8 is for the CPU path (torch's fused int8 kernel is CPU-only); "
-                        "use --lower-weights same on a GPU")
+        raise UserError("Settings.lower_weights int8 is for the CPU path (torch's fused int8 kernel is CPU-only); "
+                        "use Settings.lower_weights same on a GPU")
     return int8_twin(model)
 
 
@@ -126,7 +126,7 @@ def with_lower_weights(models, kind: str, target: bool = True, drafter: bool = T
     retrieval middle or a self drafter reads them (`target`), and a separate drafter's (`drafter`).
     A level no mode of the run uses gets no copy (a Qwen2.5-1.5B twin takes seconds and 1.5 GB)."""
     if kind not in LOWER_WEIGHTS:
-        raise UserError(f"unknown --lower-weights '{kind}': choose one of {', '.join(LOWER_WEIGHTS)}")
+        raise UserError(f"unknown Settings.lower_weights '{kind}': choose one of {', '.join(LOWER_WEIGHTS)}")
     if kind == "same":
         return models
     draft = lower_weights_for(models.drafter, kind) if drafter and models.drafter is not None else models.drafter

@@ -130,7 +130,7 @@ def scaled_for(cfg: ModelConfig, needed: int, spec: str = "auto", new_tokens: in
     if spec == "none":
         if needed > cfg.max_positions:
             raise UserError(f"{needed} tokens exceed the model's {cfg.max_positions} positions and "
-                            f"--rope-scaling none refuses to extend; use --rope-scaling auto or a smaller --context")
+                            f"Settings.rope_scaling none refuses to extend; use Settings.rope_scaling auto or a smaller Settings.context")
         return cfg, None
     if spec == "auto":
         if needed <= cfg.max_positions:
@@ -138,11 +138,11 @@ def scaled_for(cfg: ModelConfig, needed: int, spec: str = "auto", new_tokens: in
         if needed > max_auto_positions(cfg):
             raise UserError(f"{needed:,} tokens exceed the {max_auto_positions(cfg):,} positions automatic RoPE "
                             f"scaling supports for this model ({AUTO_MAX_FACTOR}x its {cfg.trained_positions:,} "
-                            f"trained); use --context {max_auto_positions(cfg) - new_tokens} or less")
+                            f"trained); use Settings.context {max_auto_positions(cfg) - new_tokens} or less")
         factor = math.ceil(needed / cfg.trained_positions * 4) / 4
         scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": cfg.trained_positions}
         note = (f"{needed:,} tokens exceed the {cfg.trained_positions:,} trained positions: applying YaRN RoPE "
-                f"scaling x{factor:g} (--rope-scaling none refuses instead)")
+                f"scaling x{factor:g} (Settings.rope_scaling none refuses instead)")
         return cfg.with_rope_scaling(scaling), note
     kind, _, value = spec.partition(":")
     try:
@@ -150,7 +150,7 @@ def scaled_for(cfg: ModelConfig, needed: int, spec: str = "auto", new_tokens: in
     except ValueError:
         factor = 0.0
     if kind not in ("yarn", "linear") or factor < 1:
-        raise UserError(f"--rope-scaling '{spec}' not understood: use auto, none, yarn:F or linear:F with F >= 1")
+        raise UserError(f"Settings.rope_scaling '{spec}' not understood: use auto, none, yarn:F or linear:F with F >= 1")
     scaling = {"rope_type": kind, "factor": factor}
     if kind == "yarn":
         scaling["original_max_position_embeddings"] = cfg.trained_positions

@@ -28,7 +28,7 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
     """Tensor parallelism splits heads and the MLP evenly over the ranks."""
     if cfg.num_kv_heads % world_size or cfg.num_heads % world_size or cfg.intermediate_size % world_size:
         raise UserError(f"tensor parallel degree {world_size} does not divide the model's {cfg.num_kv_heads} KV "
-                        f"heads / {cfg.num_heads} heads; use --tp 1 or a divisor of {cfg.num_kv_heads}")
+                        f"heads / {cfg.num_heads} heads; use Settings.tp 1 or a divisor of {cfg.num_kv_heads}")
 
 
 def shard(layer: str, rank: int, world_size: int) -> dict:

@@ -71,7 +71,7 @@ def plan(req: Request, free: int) -> Plan:
         need = req.fixed + L * req.layer_bytes
         if need > free:
             raise UserError(f"the whole KV cache does not fit on the device: {_short(need, free)} "
-                            f"({_parts(req, L)}); use --offload host, or lower --context or --budget")
+                            f"({_parts(req, L)}); use Settings.offload host, or lower Settings.context or GenerationConfig.budget")
         return Plan(free, L, 0, L * req.layer_bytes, req.fixed)
     fitting = [n for n in range(L + 1) if req.need(n) <= free]
     if req.onchip_layers is None:
@@ -82,7 +82,7 @@ def plan(req: Request, free: int) -> Plan:
     else:
         n = req.onchip_layers
         if not 0 <= n <= L:
-            raise UserError(f"--onchip-layers {n} is outside 0..{L} (the model has {L} layers)")
+            raise UserError(f"Settings.onchip_layers {n} is outside 0..{L} (the model has {L} layers)")
         if req.need(n) > free:
             hint = f"use --onchip-layers {max(fitting)}" if fitting else _fix(req, free)
             raise UserError(f"offloading with {n} on-chip layers does not fit on the device: "

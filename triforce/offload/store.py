@@ -33,7 +33,7 @@ class HostStore:
         except RuntimeError as e:
             gib = 2 * torch.Size(size).numel() * torch.finfo(dtype).bits / 8 / 2**30
             raise UserError(f"cannot allocate {gib:.1f} GiB of {'pinned ' if pin else ''}host memory for the KV "
-                            f"store ({e.__class__.__name__}); lower --context") from None
+                            f"store ({e.__class__.__name__}); lower Settings.context") from None
         self.token_bytes = heads * head_dim * self.k.element_size()  # one token of K (or V) in one layer
 
     @property
@@ -48,7 +48,7 @@ class OffloadedCache:
                  chunk_tokens: int = 4096, prefetch_next: bool | None = None, pin: bool | None = None):
         L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
         if not 0 <= onchip_layers <= L:
-            raise UserError(f"--onchip-layers {onchip_layers} is outside 0..{L} (the model has {L} layers)")
+            raise UserError(f"Settings.onchip_layers {onchip_layers} is outside 0..{L} (the model has {L} layers)")
         self.shape, self.max_len, self.max_feed = shape, max_len, prefill_chunk
         self.device = torch.device(shape.device)
         cuda = self.device.type == "cuda"
@@ -81,7 +81,7 @@ class OffloadedCache:
     def begin(self, T: int) -> torch.Tensor:
         if self.length + T > self.max_len:
             raise UserError(f"sequence of {self.length + T} tokens exceeds the cache's {self.max_len}; "
-                            f"lower --max-new-tokens or raise --context")
+                            f"lower GenerationConfig.max_new_tokens or raise Settings.context")
         if self.streamer:
             self.streamer.resolve()
             self.streamer.begin_pass(self.counters.start_pass(T, self.length))

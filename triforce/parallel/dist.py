@@ -173,7 +173,7 @@ def resolve_device(spec: str, local_rank: int = 0, local_world: int = 1) -> str:
     if kind == "cpu":
         return "cpu" if spec == "auto" else spec
     if not torch.cuda.is_available():
-        raise UserError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+        raise UserError("Settings.device cuda asked for, but torch sees no CUDA device; use Settings.device cpu")
     if local_world == 1:
         return "cuda" if spec == "auto" else spec
     count = torch.cuda.device_count()
@@ -191,7 +191,7 @@ def _device_kind(spec: str) -> str:
     except RuntimeError:  # torch lists every backend it knows; only two are served here
         kind = None
     if kind not in ("cpu", "cuda"):
-        raise UserError(f"--device {spec} not understood: use cpu, cuda, cuda:N or auto")
+        raise UserError(f"Settings.device {spec} not understood: use cpu, cuda, cuda:N or auto")
     return kind
 
 

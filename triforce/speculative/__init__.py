@@ -1,10 +1,14 @@
-"""Lossless hierarchical speculative decoding (TriForce) for long-context Llama-family models."""
-from .api import Loaded, Result, generate, generate_ids, load
-from triforce.model.config import ModelConfig
-from triforce.model.errors import UserError
+"""The method: caches, sampling and verification, the engines (Generator), the adaptive chooser.
+Names load on first use (`triforce.speculative.modes` is importable without torch)."""
+import importlib
 
-from .config import GenerationConfig
-from .engine import MODES, Generator, Models
+_EXPORTS = {"GenerationConfig": ".config", "Generator": ".engine", "MODES": ".modes", "Models": ".models",
+            "Result": ".api", "generate_ids": ".api", "ModelConfig": "triforce.model.config",
+            "UserError": "triforce.model.errors"}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["GenerationConfig", "Generator", "Loaded", "MODES", "ModelConfig", "Models", "Result", "UserError",
-           "generate", "generate_ids", "load"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'triforce.speculative' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

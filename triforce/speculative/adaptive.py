@@ -28,11 +28,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-# the modes a hierarchy can run: a mode and every mode made of a subset of its levels
-SUB_MODES = {"triforce": ("triforce", "retrieval", "speculative", "autoregressive"),
-             "retrieval": ("retrieval", "autoregressive"),
-             "speculative": ("speculative", "autoregressive"),
-             "autoregressive": ("autoregressive",)}
+from .modes import SUB_MODES  # noqa: F401 (the modes a hierarchy can run)
 
 
 def tokens_per_verification(a: float, gamma: int) -> float:

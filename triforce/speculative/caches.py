@@ -59,7 +59,7 @@ class FullCache(SlotCache):
     def begin(self, T: int) -> torch.Tensor:
         if self.length + T > self.capacity:
             raise UserError(f"sequence of {self.length + T} tokens exceeds the cache's {self.capacity}; "
-                            f"lower --max-new-tokens or raise --context")
+                            f"lower GenerationConfig.max_new_tokens or raise Settings.context")
         return torch.arange(self.length, self.length + T, device=self.shape.device)
 
     def attend(self, layer, q, k, v):

@@ -38,7 +38,7 @@ from .retrieval import RebuildPolicy, RetrievalCache, check_budget
 from .sampling import Sampler, draw, verify_greedy, verify_sampled
 from .stats import Stats
 
-MODES = ("autoregressive", "speculative", "retrieval", "triforce")
+from .modes import MODES, retrieves
 
 
 def synchronize(device: torch.device) -> None:
@@ -284,7 +284,7 @@ class Generator:
         total = len(self.context) + len(tokens)
         if total + self.cfg.max_new_tokens > self.max_len:
             raise UserError(f"prompt ({total} tokens) plus {self.cfg.max_new_tokens} new tokens exceeds "
-                            f"the context of {self.max_len}; shorten the prompt (--context) or lower --max-new-tokens")
+                            f"the context of {self.max_len}; shorten the prompt (Settings.context) or lower GenerationConfig.max_new_tokens")
         if self.middle is not None:
             check_budget(self.cfg.budget, self.cfg.chunk_size, total)
         start = time.perf_counter()
@@ -425,7 +425,7 @@ class Generator:
         self.committed = len(self.context)
         self.full.rollback(self.committed - 1)
         if self.middle is not None:
-            self._update_middle(accepted, len(drafts) if mode in ("retrieval", "triforce") else 0)
+            self._update_middle(accepted, len(drafts) if retrieves(mode) else 0)
         if self.chooser is not None:
             self.chooser.finished(mode, time.perf_counter() - start)
         return new

@@ -11,6 +11,7 @@ from triforce.model.kv import KVShape
 from triforce.model.transformer import Transformer
 
 from .config import GenerationConfig
+from .modes import drafts as modes_draft, retrieves
 
 
 @dataclass
@@ -50,8 +51,8 @@ class Models:
     def proposers(self, modes) -> tuple[bool, bool]:
         """Whether any of `modes` proposes with the target's weights (the retrieval middle, or a self
         drafter), and whether any runs the separate drafter: the levels worth a cheaper copy."""
-        drafts = any(m in ("speculative", "triforce") for m in modes)
-        middle = any(m in ("retrieval", "triforce") for m in modes)
+        drafts = any(map(modes_draft, modes))
+        middle = any(map(retrieves, modes))
         return middle or (drafts and self.drafter is None), drafts and self.drafter is not None
 
 
@@ -71,8 +72,8 @@ class CacheSizes:
     def of(cls, cfg: GenerationConfig, mode: str, max_len: int) -> "CacheSizes":
         margin = cfg.gamma1 + cfg.gamma2 + 2  # tokens one round can add beyond the committed ones
         return cls(full=max_len + margin,
-                   budget=cfg.budget if mode in ("retrieval", "triforce") else None, scratch=margin + 1,
-                   streaming_slack=max(64, margin + 1) if mode in ("speculative", "triforce") else None,
+                   budget=cfg.budget if retrieves(mode) else None, scratch=margin + 1,
+                   streaming_slack=max(64, margin + 1) if modes_draft(mode) else None,
                    sinks=cfg.sink_tokens, window=cfg.draft_window)
 
     def after_full_bytes(self, target: KVShape, drafter: KVShape | None) -> int:

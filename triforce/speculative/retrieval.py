@@ -18,6 +18,7 @@ from triforce.model.errors import UserError
 from triforce.model.kv import KVShape
 
 from .caches import FullCache, SlotCache
+from .modes import WITHOUT_RETRIEVAL as FALLBACK  # the same levels, less the middle one
 
 
 MIN_CHUNKS = 4  # sink + one retrieved + the recent tail, which spans two chunks when the length is not a multiple
@@ -32,10 +33,10 @@ def check_budget_shape(budget: int, chunk_size: int) -> None:
         raise UserError(f"budget must be > 0 tokens (got {budget})")
     if budget % chunk_size:
         raise UserError(f"budget {budget} is not a multiple of the chunk size {chunk_size}; "
-                        f"use --budget {max(MIN_CHUNKS * chunk_size, budget - budget % chunk_size)}")
+                        f"use GenerationConfig.budget {max(MIN_CHUNKS * chunk_size, budget - budget % chunk_size)}")
     if budget < MIN_CHUNKS * chunk_size:
         raise UserError(f"budget {budget} holds fewer than {MIN_CHUNKS} chunks of {chunk_size} (sink, recent tail, "
-                        f"one retrieved); use --budget {MIN_CHUNKS * chunk_size} or more, or a smaller --chunk-size")
+                        f"one retrieved); use GenerationConfig.budget {MIN_CHUNKS * chunk_size} or more, or a smaller GenerationConfig.chunk_size")
 
 
 def check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
@@ -43,10 +44,9 @@ def check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
     check_budget_shape(budget, chunk_size)
     if budget >= prompt_len:
         raise UserError(f"budget {budget} is not smaller than the prompt ({prompt_len} tokens), so "
-                        f"retrieval has nothing to choose; lower --budget or give a longer prompt")
+                        f"retrieval has nothing to choose; lower GenerationConfig.budget or give a longer prompt")
 
 
-FALLBACK = {"triforce": "speculative", "retrieval": "autoregressive"}  # the same levels, less the middle one
 
 
 def mode_for_prompt(mode: str, budget: int, chunk_size: int, prompt_len: int) -> tuple[str, str | None]:

@@ -1,27 +1,39 @@
-"""Opening a generation session from command-line flags: device, parallelism, RoPE, models, caches.
-
-Shared by generate.py, chat.py and bench.py so every front end validates and loads the same way.
+"""A generation session: settings in, a loaded and configured engine out (device, dtype, threads,
+tensor parallelism, int8 proposers, RoPE for the run's length, memory checks, offload, CUDA graphs,
+per-device defaults, drafter pairing). The command line, the Python API and the measuring tools
+all open their engines here, so the same settings give the same engine.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable, ContextManager
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-from triforce.parallel import resolve_device, setup_tensor_parallel
-from triforce.runtime.defaults import auto_dtype, auto_threads
-from triforce.cli.common import RunConfig, context_positions, generation_plan, resolve_draft, resolve_rope
-from triforce.speculative import MODES, Generator, ModelConfig, UserError
-from triforce.speculative.api import load, resolve_dtype
+from triforce.model.config import ModelConfig
+from triforce.model.errors import UserError
 from triforce.model.loader import load_tokenizer
-from triforce.model.tensor_parallel import check_shardable
 from triforce.model.quant import resolve_lower_weights, with_lower_weights
+from triforce.model.tensor_parallel import check_shardable
+from triforce.parallel import resolve_device, setup_tensor_parallel
+from triforce.speculative import Generator
+from triforce.speculative.modes import MODES
 
+from .defaults import auto_dtype, auto_threads
+from .loading import load, resolve_dtype
+from .settings import (Settings, check_flags, context_positions, generation_plan, onchip_layers, resolve_draft,
+                       resolve_rope)
+
+log = logging.getLogger("triforce")
+
+
+def _log_note(note: str) -> None:
+    log.warning(note)
 
 
 HOST_MEMORY_ENV = "SPEC_HOST_MEMORY_BYTES"  # pretend this much host memory is available (for tests)
@@ -52,12 +64,17 @@ class Session:
     `run` is the run configuration as given; `self.run` is the same with its device and lower
     weights resolved ('auto' made concrete), which is what everything after reads."""
 
-    def __init__(self, run: RunConfig, text: str | None, tokenizer=None):
+    def __init__(self, run: Settings, text: str | None, tokenizer=None, say: Callable[[str], None] | None = None,
+                 loading: Callable[[str], ContextManager] | None = None):
+        """`say(note)`: where one-line notes go (a setting adjusted to the prompt, RoPE scaling added;
+        default: the `triforce` logger, as warnings); `loading(what)`: a context manager shown while
+        weights load (the command line's spinner)."""
+        self.say = say or _log_note
+        self._loading = loading
         check_flags(run)
         self.threads_why = _set_threads(run.threads)
         self.dist = _setup_parallel(run)
         self.is_main = self.dist is None or self.dist.rank == 0
-        self.console = Console(stderr=True, quiet=not self.is_main)
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
         self.device = self.dist.device if self.dist else resolve_device(run.device)
         self.asked_dtype = run.dtype
@@ -65,21 +82,21 @@ class Session:
         self.dtype = resolve_dtype(dtype)
         lower = resolve_lower_weights(run.lower_weights, self.device, self.dtype)
         if lower != "same" and self.device != "cpu":
-            raise UserError(f"--lower-weights {lower} is for the CPU path (torch's fused int8 kernel "
-                            "is CPU-only); use --lower-weights same on a GPU")
+            raise UserError(f"Settings.lower_weights {lower} is for the CPU path (torch's fused int8 kernel "
+                            "is CPU-only); use Settings.lower_weights same on a GPU")
         self.run = replace(run, device=self.device, lower_weights=lower, dtype=dtype, threads=torch.get_num_threads())
         self.draft = resolve_draft(run.model, run.draft)
         base_cfg = ModelConfig.from_folder(run.model)
         check_shardable(base_cfg, self.dist.world_size if self.dist else 1)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(run.model)  # chat read the book with it
-        self.prompt_ids = self.encode(text) if text is not None else []
+        self.prompt_ids = self.encode(text) if text is not None else []  # text, or token ids
         needed = len(self.prompt_ids) + run.max_new_tokens
         if run.context:  # a --context that can never fit is refused even when this prompt is shorter
             limit = context_positions(base_cfg, run.rope_scaling)
             if run.context + run.max_new_tokens > limit:
-                raise UserError(f"--context {run.context} plus {run.max_new_tokens} new tokens exceeds the {limit} "
-                                f"positions this model supports; use --context {limit - run.max_new_tokens} or less")
-        self.config = resolve_rope(base_cfg, needed, run.rope_scaling, self.console, run.max_new_tokens)
+                raise UserError(f"Settings.context {run.context} plus {run.max_new_tokens} new tokens exceeds the {limit} "
+                                f"positions this model supports; use Settings.context {limit - run.max_new_tokens} or less")
+        self.config = resolve_rope(base_cfg, needed, run.rope_scaling, self.say if self.is_main else None, run.max_new_tokens)
         self._check_host_memory(needed)
         self.needed = needed
 
@@ -87,7 +104,8 @@ class Session:
         """Load the models; `modes`: those this session will run (their proposing levels alone get
         cheaper weights)."""
         run = self.run
-        with self.console.status(f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")):
+        what = f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")
+        with self._loading(what) if self._loading else nullcontext():
             self.loaded = load(run.model, self.draft, self.dtype, self.device, target_config=self.config,
                                max_len=self.needed, rank=self.dist.rank if self.dist else 0,
                                world_size=self.dist.world_size if self.dist else 1, tokenizer=self.tokenizer)
@@ -98,14 +116,16 @@ class Session:
         self.loaded.models = with_lower_weights(self.loaded.models, run.lower_weights, target, drafter)
         return self
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, text: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text is encoded without special tokens, as a continuation), its last
+        Settings.context of them when that is set."""
+        ids = list(text) if isinstance(text, (list, tuple)) else self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise UserError("the prompt encodes to no tokens; give some text")
         context = self.run.context
         if context is not None:
             if context <= 0:
-                raise UserError(f"--context must be positive (got {context})")
+                raise UserError(f"Settings.context must be positive (got {context})")
             ids = ids[-context:]
         return ids
 
@@ -123,12 +143,12 @@ class Session:
         available = host_available_bytes()
         if available is not None and need > available:
             raise UserError(f"this run needs about {_size(need)} of memory (weights + KV cache for {tokens} tokens) "
-                            f"but {_size(available)} are available; lower --context or use --dtype bfloat16")
+                            f"but {_size(available)} are available; lower Settings.context or use Settings.dtype bfloat16")
 
     def plan_generation(self):
         """The GenerationConfig for this session's prompt (triforce.cli.common.generation_plan); a prompt
         too short to retrieve from switches this session to the mode without the retrieval level."""
-        self.run, cfg = generation_plan(self.run, len(self.prompt_ids), self.console)
+        self.run, cfg = generation_plan(self.run, len(self.prompt_ids), self.say if self.is_main else None)
         return cfg
 
     def generator(self, cfg, max_len: int, prefilled=None, mode: str | None = None, models=None) -> Generator:
@@ -191,10 +211,6 @@ class Session:
         cache = getattr(self, "_last_full_cache", None)
         return cache.timings() if cache is not None else None
 
-    def print_stats(self, stats, cfg=None) -> None:
-        print_stats_table(Console(file=self.stdout), self.run.mode, stats, self.run.lower_weights, self.device,
-                          self.choices(cfg))
-
     def choices(self, cfg=None) -> list[tuple[str, str]]:
         """The defaults this run decided (dtype, threads, sampling) and why, for the statistics."""
         run = self.run
@@ -213,65 +229,6 @@ class Session:
             self.dist.close()
 
 
-def modes_text(modes: dict) -> str:
-    """An adaptive run's full-cache passes per mode, most used first: 'triforce 40, autoregressive 3'."""
-    return ", ".join(f"{m} {n}" for m, n in sorted(modes.items(), key=lambda kv: -kv[1]))
-
-
-def estimates_text(estimates: dict) -> str:
-    """What an adaptive run predicted last, cheapest first: 'retrieval γ1 410, autoregressive 520'."""
-    parts = []
-    for mode, e in sorted(estimates.items(), key=lambda kv: kv[1]["ms_per_token"]):
-        gamma = f" γ{e['gamma']}" if e["gamma"] else ""
-        parts.append(f"{mode}{gamma} {e['ms_per_token']:.0f}")
-    return ", ".join(parts)
-
-
-def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "same", device=None,
-                      choices: list[tuple[str, str]] = ()) -> None:
-    """The statistics of one generation. With an offloaded full cache (bytes moved counted) the
-    verification row also shows the link floor: the KV streamed per full pass over the pinned
-    host->device bandwidth measured now (CUDA; n/a on CPU, where there is no link to cross).
-    `device`: where the run decoded; when not given, CUDA if this process has initialised it."""
-    from bench.measure import level_ms_per_pass, link_floor
-
-    d = stats.to_dict()
-    title = f"{mode}, adaptive" if stats.modes else mode
-    table = Table(title=f"{title}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
-    table.add_column("statistic")
-    table.add_column("value", justify="right")
-    rows = [("prefill", f"{stats.prefill_seconds:.2f} s"), ("decode", f"{stats.decode_seconds:.2f} s"),
-            ("decode tokens/s", _fmt(stats.tokens_per_second)),
-            ("tokens per full-cache pass", _fmt(stats.tokens_per_full_pass)), ("full-cache passes", str(stats.full_passes))]
-    if d["modes"]:
-        rows.append(("full-cache passes per mode", modes_text(d["modes"])))
-        rows.append(("predicted ms per token", estimates_text(d["estimates"])))
-    for key, value in d["acceptance"].items():
-        rows.append((f"acceptance {key}", _fmt(value, 3)))
-    for level in ("draft", "middle", "verify"):
-        if d["passes"][level]:
-            rows.append((f"{level} passes / time", f"{d['passes'][level]} / {d['seconds'][level]:.2f} s"))
-    floor = link_floor(d, _decode_device(device)) if stats.bytes_moved is not None else None
-    for level, ms in level_ms_per_pass(d).items():
-        value = f"{ms:.1f}"
-        if level == "verify" and floor is not None:
-            value += f" (link floor {floor['text']})"
-        rows.append((f"{level} ms per pass", value))
-    if floor is not None and stats.decode_tokens:
-        per_token = "n/a" if floor["ms_per_token"] is None else f"{floor['ms_per_token']:.1f}"
-        rows.append(("decode ms per token / link floor",
-                     f"{1e3 * stats.decode_seconds / stats.decode_tokens:.1f} / {per_token}"))
-    if stats.rebuilds:
-        rows.append(("retrieval cache builds", str(stats.rebuilds)))
-    rows += list(choices)
-    if lower_weights != "same" and (d["passes"]["draft"] or d["passes"]["middle"]):
-        rows.append(("proposing levels' weights", lower_weights))
-    if stats.bytes_moved is not None:
-        rows.append(("bytes moved per token", f"{stats.bytes_moved / max(stats.new_tokens, 1) / 2**20:.1f} MiB"))
-    for name, value in rows:
-        table.add_row(name, value)
-    console.print(table)
-
 
 def _set_threads(threads: int | None) -> str:
     """Set torch's CPU threads: as asked, else as OMP_NUM_THREADS says (a launcher sharing the cores
@@ -286,13 +243,6 @@ def _set_threads(threads: int | None) -> str:
     return why
 
 
-def _decode_device(device) -> str:
-    # generate.py's print_stats does not say where it decoded: a process that initialised CUDA did so there
-    if device is not None:
-        return str(device)
-    return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
-
-
 def _size(n: float) -> str:
     """Bytes in the largest binary unit that keeps a digit before the point (small models need KiB)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -301,41 +251,14 @@ def _size(n: float) -> str:
     return f"{n:.0f} bytes"
 
 
-def _fmt(x, digits=2):
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _setup_parallel(run: RunConfig):
+def _setup_parallel(run: Settings):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if run.tp == 1 and world == 1:
         return None
     return setup_tensor_parallel(run.tp, run.device)
 
 
-def check_flags(run: RunConfig) -> None:
-    """Model flags argparse takes as any integer or string, refused before torch uses them."""
-    if run.threads is not None and run.threads < 1:
-        raise UserError(f"--threads must be at least 1 (got {run.threads}); leave it out for torch's choice")
-    if run.offload_chunk < 1:
-        raise UserError(f"--offload-chunk must be a positive number of tokens (got {run.offload_chunk})")
-    onchip_layers(run)
-
-
-def onchip_layers(run: RunConfig) -> int | str:
-    """--onchip-layers: 'auto' or a number of layers."""
-    value = run.onchip_layers
-    if value == "auto":
-        return value
-    try:
-        layers = int(value)
-    except ValueError:
-        layers = -1
-    if layers < 0:
-        raise UserError(f"--onchip-layers must be 'auto' or a number of layers >= 0 (got {value!r})")
-    return layers
-
-
-def open_session(run: RunConfig, text: str | None, modes=MODES, tokenizer=None) -> Session:
+def open_session(run: Settings, text: str | None, modes=MODES, tokenizer=None) -> Session:
     """A session with its models loaded for `modes` (all of them unless said); `tokenizer`: the
     model's, when the caller has loaded it (Qwen's takes 2-4 s a load)."""
     return Session(run, text, tokenizer).load(modes)

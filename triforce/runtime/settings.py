@@ -1,0 +1,244 @@
+"""A run's settings, one frozen dataclass, and the rules that resolve what is left to the machine and
+the prompt: per-device budget and gammas, the drafter beside a model, RoPE for the run's length.
+
+The command line's flags and the Python API's keyword arguments fill the same `Settings`, so both
+start the same engine (triforce.runtime.session.Session)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Callable
+
+from triforce.model.errors import UserError
+from triforce.speculative.modes import retrieves
+
+from . import defaults
+from .defaults import DEFAULT_MODEL
+from .text import read_text  # noqa: F401 (the front ends read prompts through settings)
+
+NATURAL_DRAFTERS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # target folder -> drafter folder beside it
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings. The command line's flags take their defaults from here, and the Python
+    API's keyword arguments fill the same fields, so both run the same engine. Nothing writes to it:
+    a variant is made with dataclasses.replace; what a Session resolves ('auto' device, dtype,
+    lower weights, threads) lives in the Session's copy. None means: decided for this run (said in
+    its statistics): dtype and threads by the machine, budget and gammas by the device and prompt,
+    sampling by the checkpoint, the drafter by the model folder."""
+    # model
+    model: str = str(DEFAULT_MODEL)
+    draft: str | None = None  # a drafter folder, "self" (the target with a StreamingLLM cache), None: natural
+    dtype: str = "auto"  # auto: bfloat16 on a GPU and on a CPU computing it natively, else float32
+    device: str = "auto"
+    threads: int | None = None  # None: the cores the last minute's load leaves free
+    rope_scaling: str = "auto"
+    context: int | None = None  # keep the last N prompt tokens
+    offload: str = "none"  # "host": the full KV cache in (pinned) host memory, streamed per pass
+    onchip_layers: str = "0"
+    offload_chunk: int = 4096
+    cuda_graphs: bool | None = None  # None: on for a single CUDA device
+    tp: int = 1
+    lower_weights: str = "auto"  # the proposing levels' weights: auto (int8 on a bf16 CPU), same, int8
+    # generation
+    mode: str = "triforce"
+    max_new_tokens: int = 128
+    temperature: float | None = None  # None: the checkpoint's generation_config.json (greedy if none)
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+    budget: int | None = None
+    chunk_size: int = 32
+    gamma1: int | None = None
+    gamma2: int | None = None
+    draft_window: int = 256
+    sinks: int = 4
+    rebuild_threshold: float = 0.0
+    prefill_chunk: int | None = None
+    adaptive: bool = True  # each full pass runs the mode measured cheapest (lossless either way)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+DEFAULTS = Settings()
+
+
+def make_settings(values=None, sampling: str | None = "checkpoint", **overrides) -> Settings:
+    """Settings from `values` (an argparse Namespace, a dict or None) and keyword `overrides`; a name
+    that is not a setting is refused, naming the ones that exist. Sampling left unset is filled by
+    `sampling`: "checkpoint" (the checkpoint's generation_config.json: generate and chat with a
+    prompt of the user's), "model" (temperature 1: the model's own distribution) or "greedy"
+    (measuring tools compare engines token for token); None leaves them unset."""
+    names = {f.name for f in fields(Settings)}
+    given = dict(values) if isinstance(values, dict) else (
+        {n: getattr(values, n) for n in names if hasattr(values, n)} if values is not None else {})
+    given.update(overrides)
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise UserError(f"unknown setting {', '.join(unknown)}; the settings are: {', '.join(sorted(names))}")
+    settings = Settings(**given)
+    if sampling is not None and None in (settings.temperature, settings.top_p, settings.top_k):
+        settings = with_sampling(settings, sampling)
+    return settings
+
+
+def with_sampling(settings: Settings, sampling: str) -> Settings:
+    """temperature / top_p / top_k left None, filled by the rule `sampling` (see make_settings)."""
+    chosen = {"checkpoint": lambda: defaults.checkpoint_sampling(settings.model),
+              "model": lambda: {"temperature": 1.0}, "greedy": lambda: {"temperature": 0.0}}[sampling]()
+    filled = {name: chosen.get(name, fallback) for name, fallback in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))
+              if getattr(settings, name) is None}
+    return replace(settings, **filled)
+
+
+def run_config(args, sampling: str = "greedy", **derived) -> Settings:
+    """Settings of parsed flags; `derived` holds values a front end computes instead of taking them as
+    given (bench.py's --new-tokens is the number of new tokens)."""
+    return make_settings(args, sampling, **derived)
+
+
+# Defaults from the sweeps in README ("Choosing the defaults"). On CPU every level reads the same
+# weights, so a middle pass costs the weights plus its budget of KV and the full pass the weights plus
+# the whole context: a bigger budget buys acceptance cheaply at long context (32K: 0.79 at 8,192 vs
+# 0.51 at 2,048) and short middle runs (gamma2 3) beat long ones; with the target drafting for itself a
+# draft pass costs a middle pass, so triforce drafts 2 at a time. Chunks of 32 tokens scored better
+# than 8 (4K: middle acceptance 0.85 vs 0.80), on either device. On a GPU the full pass streams the KV
+# from host memory and dwarfs the others: TriForce's published setting (budget 4,096, longer gamma2).
+CPU_BUDGET_FRACTION, CPU_BUDGET_RANGE, GPU_BUDGET = 4, (1024, 8192), 4096
+DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce": (2, 3), "autoregressive": (0, 0)},
+                  "cuda": {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}}
+
+
+def default_budget(prompt_len: int, chunk: int, gpu: bool) -> int:
+    if gpu:
+        return GPU_BUDGET
+    low, high = CPU_BUDGET_RANGE
+    return min(max(prompt_len // CPU_BUDGET_FRACTION // chunk * chunk, low), high)
+
+
+def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):
+    """GenerationConfig of a run. A default budget shrinks to fit a short prompt (said on stderr);
+    a budget the user chose is checked as given."""
+    from triforce.parallel import resolve_device
+    from triforce.speculative import GenerationConfig
+    from triforce.speculative.retrieval import MIN_CHUNKS
+
+    gpu = resolve_device(run.device).startswith("cuda")
+    g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][run.mode]
+    budget = run.budget
+    if budget is None:  # a chunk size <= 0 is refused by GenerationConfig, naming it
+        chunk = max(run.chunk_size, 1)
+        budget = default_budget(prompt_len, chunk, gpu)
+        if retrieves(run.mode) and budget >= prompt_len:
+            budget = max(MIN_CHUNKS * chunk, (prompt_len // 2) // chunk * chunk)
+            if say and budget < prompt_len:
+                say(f"prompt has {prompt_len} tokens; retrieval budget set to {budget}")
+    return GenerationConfig(
+        max_new_tokens=run.max_new_tokens, temperature=run.temperature, top_p=run.top_p, top_k=run.top_k,
+        seed=run.seed, budget=budget, chunk_size=run.chunk_size,
+        gamma1=run.gamma1 if run.gamma1 is not None else max(g1, 1),
+        gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
+        draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
+        prefill_chunk=run.prefill_chunk,  # None: the device's default piece (GenerationConfig.prefill_piece)
+        adaptive=run.adaptive)
+
+
+def generation_plan(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):
+    """(run, GenerationConfig) for a prompt of `prompt_len` tokens, checked before the weights load.
+    A prompt too short to retrieve from (not longer than the retrieval budget a default would pick)
+    runs the mode without the retrieval level, said in one line; a budget the user chose is checked
+    against the prompt as given, so a mistake is named rather than worked around."""
+    from triforce.speculative.retrieval import check_budget, mode_for_prompt
+
+    cfg = generation_config(run, prompt_len, say)
+    if retrieves(run.mode) and run.budget is None:
+        mode, note = mode_for_prompt(run.mode, cfg.budget, cfg.chunk_size, prompt_len)
+        if note:
+            if say:
+                say(note)
+            run = replace(run, mode=mode)
+            cfg = generation_config(run, prompt_len)
+    if retrieves(run.mode):
+        check_budget(cfg.budget, cfg.chunk_size, prompt_len)
+    return run, cfg
+
+
+def resolve_draft(model: str, draft: str | None) -> str:
+    if draft is not None:
+        return draft
+    natural = NATURAL_DRAFTERS.get(Path(model).name)
+    if natural and (Path(model).parent / natural).is_dir():
+        return str(Path(model).parent / natural)
+    return "self"
+
+
+def resolve_rope(cfg, needed: int, spec: str, say: Callable[[str], None] | None = None, new_tokens: int = 0):
+    """The model config with the RoPE scaling `spec` applied for a sequence of `needed` tokens
+    (model.rope.scaled_for, the rule the Python API applies too); a scaling it adds is said in one line."""
+    from triforce.model.rope import scaled_for
+
+    scaled, note = scaled_for(cfg, needed, spec, new_tokens)
+    if note and say:
+        say(note)
+    return scaled
+
+
+def context_positions(cfg, spec: str) -> int:
+    """The most positions a run may use with --rope-scaling `spec`: with auto (the default) as far as
+    the YaRN scaling it adds supports; with none, the checkpoint's own (its config's scaling
+    included); else those of yarn:F / linear:F."""
+    from triforce.model.rope import max_auto_positions
+
+    if spec == "auto":
+        return max_auto_positions(cfg)
+    return cfg.max_positions if spec == "none" else resolve_rope(cfg, 0, spec).max_positions
+
+
+
+def check_flags(run: Settings) -> None:
+    """Every setting that can be checked without reading a file, refused before anything loads (the
+    command line calls this before importing torch): numbers in range, names that exist."""
+    from triforce.speculative.modes import MODES
+
+    checks = [
+        (run.mode in MODES, f"Settings.mode '{run.mode}' is not a mode: choose one of {', '.join(MODES)}"),
+        (run.max_new_tokens >= 1, f"Settings.max_new_tokens must be >= 1 (got {run.max_new_tokens})"),
+        (run.threads is None or run.threads >= 1,
+         f"Settings.threads must be at least 1 (got {run.threads}); leave it out for the machine's choice"),
+        (run.offload_chunk >= 1, f"Settings.offload_chunk must be a positive number of tokens (got {run.offload_chunk})"),
+        (run.context is None or run.context >= 1, f"Settings.context must be positive (got {run.context})"),
+        (run.temperature is None or run.temperature >= 0,
+         f"temperature must be >= 0 (got {run.temperature}); use 0 for greedy"),
+        (run.top_p is None or 0 < run.top_p <= 1, f"top-p must be in (0, 1] (got {run.top_p})"),
+        (run.top_k is None or run.top_k >= 0, f"top-k must be >= 0 (got {run.top_k}); 0 turns it off"),
+        (run.gamma1 is None or run.gamma1 >= 1, f"gamma1 must be >= 1 (got {run.gamma1})"),
+        (run.gamma2 is None or run.gamma2 >= 1, f"gamma2 must be >= 1 (got {run.gamma2})"),
+        (run.budget is None or run.budget >= 1, f"Settings.budget must be a positive number of tokens (got {run.budget})"),
+        (run.chunk_size >= 1, f"chunk size must be > 0 (got {run.chunk_size})"),
+        (run.draft_window >= 1, f"draft window must be >= 1 (got {run.draft_window})"),
+        (run.sinks >= 0, f"sink tokens must be >= 0 (got {run.sinks})"),
+        (0 <= run.rebuild_threshold <= 1, f"rebuild threshold must be in [0, 1] (got {run.rebuild_threshold})"),
+        (run.prefill_chunk is None or run.prefill_chunk >= 1, f"prefill chunk must be >= 1 (got {run.prefill_chunk})"),
+        (run.tp >= 1, f"Settings.tp must be at least 1 (got {run.tp})"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    onchip_layers(run)
+
+
+def onchip_layers(run: Settings) -> int | str:
+    """Settings.onchip_layers: 'auto' or a number of layers."""
+    value = run.onchip_layers
+    if value == "auto":
+        return value
+    try:
+        layers = int(value)
+    except ValueError:
+        layers = -1
+    if layers < 0:
+        raise UserError(f"Settings.onchip_layers must be 'auto' or a number of layers >= 0 (got {value!r})")
+    return layers
+
+

@@ -1,0 +1,53 @@
+"""Text in and out: reading a prompt file with one-line errors, and the one streaming detokenizer
+(generate's output, chat's answers, the API's on_text)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from triforce.model.errors import UserError
+
+
+class StreamingText:
+    """The text of a growing list of tokens, handed out as it becomes final. Decoding the whole list
+    each time keeps multi-token characters and a tokenizer's spacing right; a piece that ends in an
+    incomplete character (U+FFFD) waits for the token that completes it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.shown = 0
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, tokens: list[int]) -> str:
+        """The text the new tokens complete ('' while a character is still incomplete)."""
+        self.tokens.extend(tokens)
+        text = self.text()
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+    def rest(self) -> str:
+        """Whatever has not been handed out (an incomplete character at the very end included)."""
+        text = self.text()
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+
+def read_text(path: str | Path, what: str = "prompt file") -> str:
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory; give a text file inside it")
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist; check the path")
+    data = path.read_bytes()
+    if not data.strip():
+        raise UserError(f"{what} {path} is empty; give it some text")
+    if b"\x00" in data[:65536]:
+        raise UserError(f"{what} {path} is binary, not text; give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
