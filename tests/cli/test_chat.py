@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from triforce.parallel import TensorParallel
-from triforce.cli import chat, chat_book
+from pathlib import Path
+
+from triforce.cli import chat
+from triforce.model.loader import load_tokenizer
+from triforce.runtime import book as chat_book
 from triforce.cli.common import run_cli
 from triforce.speculative import Generator, kvfile
 
@@ -249,11 +253,13 @@ def test_interrupted_prefill_resumes_from_checkpoints(start, tmp_path, capsys, m
             raise KeyboardInterrupt
 
     monkeypatch.setattr(chat_book.kvfile.Checkpoints, "after", interrupt_after_two)
+    capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):
         start("--prefill-chunk", "64", stops=frozenset())
     monkeypatch.setattr(chat_book.kvfile.Checkpoints, "after", real_after)
     assert len(list((tmp_path / "cache").glob("*.partial/*.safetensors"))) == 2
-    capsys.readouterr()
+    said = " ".join(capsys.readouterr().err.split())  # Ctrl-C says what the next start gets
+    assert "interrupted: 128 of" in said and "are kept; the next start on this book resumes from there" in said
     resumed = start("--prefill-chunk", "64", stops=frozenset())
     err = " ".join(capsys.readouterr().err.split())
     assert "resuming the prefill from a checkpoint: 128 of" in err and "128 more from checkpoints" in err
@@ -313,9 +319,9 @@ def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert "does not fit" in err and "--context 3900" in err and "drop --rope-scaling none" in err
     args = chat.parse_args(argv + ["--context", "3900"])
-    tok = chat.load_tokenizer(tiny_folder)
+    tok = load_tokenizer(tiny_folder)
     said = io.StringIO()
-    book = chat_book.prepare_book(args, tok, chat.Console(file=said, width=200), interactive=False)
+    book = chat_book.prepare_book(args, tok, chat.ConsoleReporter(chat.Console(file=said, width=200)))
     ids = tok.encode(path.read_text(), add_special_tokens=False, split_special_tokens=True)
     head = len(book.fmt.markup(book.fmt.book_head))
     assert book.kept == 3900 and book.prompt[head:head + 3900] == ids[-3900:]
@@ -324,7 +330,7 @@ def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
 
 
 def test_chat_template_pieces(tiny_folder):
-    tok = chat.load_tokenizer(tiny_folder)
+    tok = load_tokenizer(tiny_folder)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -336,7 +342,7 @@ def test_chat_template_pieces(tiny_folder):
     assert end in chat_book.stop_ids(tok, fmt, str(tiny_folder))
     assert fmt.closing([5, end]) == [] and fmt.closing([5, 6]) == [end]  # "\n" is no token here
     assert fmt.encode("t5 <|im_end|>")[-1] != end  # user text never becomes a control token
-    assert not chat_book.ChatFormat(chat.load_tokenizer(tiny_folder), "x").templated  # no template: plain
+    assert not chat_book.ChatFormat(load_tokenizer(tiny_folder), "x").templated  # no template: plain
 
 
 # ------------------------------------------------------------------------------------- TP input
@@ -370,14 +376,14 @@ def test_rank0_input_is_broadcast(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- real model
-SMOLLM = chat.Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
+SMOLLM = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM.is_dir(), reason="models/smollm2-135m missing: run triforce-prepare")
 def test_smollm2_chat_template_cache_and_lossless_turns(tmp_path, capsys):
     """SmolLM2's ChatML template, the answer ending at <|im_end|>, the saved cache, lossless turns."""
-    book = chat.Path(__file__).resolve().parents[2] / "triforce" / "data" / "pride_and_prejudice_ch1-9.txt"
+    book = Path(__file__).resolve().parents[2] / "triforce" / "data" / "pride_and_prejudice_ch1-9.txt"
     opts = chat.parse_args(["--book", str(book), "--model", str(SMOLLM), "--draft", "self", "--context", "600",
                             "--max-new-tokens", "24", "--room", "200", "--budget", "256", "--temperature", "0",
                             "--cache-dir", str(tmp_path)])  # greedy: compared with autoregressive decoding

@@ -21,25 +21,23 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, not a traceback
     from rich.console import Console
     from rich.markup import escape
 
-    from triforce.cli.chat_book import Book, ChatOptions, load_or_prefill, prepare_book, stop_ids
-    from triforce.cli.common import (as_flags, add_engine_args, add_model_args, generation_plan, read_text,
-                                replace, run_cli, run_config)
-    from triforce.cli.common import open_session
+    from triforce.cli.common import (add_engine_args, add_model_args, as_flags, check_flags, open_session, run_cli,
+                                     run_config)
+    from triforce.cli.progress import prefill_progress
     from triforce.cli.stats import modes_text, print_stats_table
-    from triforce.speculative import ModelConfig, UserError
+    from triforce.model.errors import UserError
+    from triforce.runtime.book import ChatOptions, Reporter
+    from triforce.runtime.chat import Answer, Chat, open_chat
+    from triforce.runtime.text import StreamingText
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     sys.exit(130)
-from triforce.model.loader import load_tokenizer
-from triforce.speculative.stats import Stats
 
 PROMPT = "> "
 HELP = """[bold]/stats[/]       statistics of the last answer
@@ -56,6 +54,8 @@ def parse_args(argv) -> ChatOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--book", required=True, help="a UTF-8 text file")
     add_model_args(p)
+    # default: the strongest prepared model that reads a book this long (triforce.runtime.book)
+    p.set_defaults(model=None)
     add_engine_args(p, adaptive=True)
     g = p.add_argument_group("chat")
     g.add_argument("--room", type=int, default=2048, help="tokens kept for the conversation after the book "
@@ -70,118 +70,9 @@ def parse_args(argv) -> ChatOptions:
         raise UserError(f"--room must be a positive number of tokens (got {args.room})")
     if args.context is not None and args.context < 1:
         raise UserError(f"--context must be positive (got {args.context})")
-    return ChatOptions(run_config(args, sampling="checkpoint"), args.book, args.room, args.cache_dir, args.no_cache, args.show_levels)
-
-
-# ------------------------------------------------------------------------------- conversation
-@dataclass
-class Answer:
-    question: str
-    tokens: list[int]
-    text: str
-    status: str  # "stop" (end of turn), "length" (--max-new-tokens) or "interrupted" (Ctrl-C)
-    seconds: float
-    stats: Stats = field(repr=False)
-
-
-class Chat:
-    """The conversation over a prefilled book: turns are appended to the generator's caches."""
-
-    def __init__(self, gen, tokenizer, book: Book, queries, stops: frozenset, session=None):
-        self.gen, self.tok, self.book, self.queries, self.stops = gen, tokenizer, book, queries, stops
-        self.session = session
-        self.is_main = session is None or session.is_main  # under torchrun only rank 0 writes files
-        self.out = sys.stdout if session is None else session.stdout
-        dist = session.dist if session is not None else None
-        self.share = dist.share if dist is not None else (lambda read: read())  # rank 0 reads the terminal
-        self.turns: list[Answer] = []  # the conversation the caches hold
-        self.log: list[Answer | None] = []  # everything said, None marking a /reset (for /save)
-        self.last: Answer | None = None
-        gen.resume(book.prompt, queries)
-
-    def ask(self, question: str, on_tokens=None) -> Answer:
-        """Answer one question. A Ctrl-C while the question is read raises KeyboardInterrupt with
-        the turn dropped; one during the answer ends it there (status 'interrupted'). Either way the
-        caches hold exactly the conversation so far, so the next answer is still lossless."""
-        gen = self.gen
-        ids = (self.book.fmt.closing(self.turns[-1].tokens) if self.turns else []) + self.book.fmt.question(question)
-        before = len(gen.context)
-        if before + len(ids) + gen.cfg.max_new_tokens > gen.max_len:
-            raise UserError(f"the conversation has used its {gen.max_len - len(self.book.prompt):,} tokens of "
-                            f"room: /reset keeps the book and starts over (or restart with a larger --room)")
-        gen.reset_stats()
-        start = time.perf_counter()
-        try:
-            gen.extend(ids)
-        except KeyboardInterrupt:
-            with held_interrupts():
-                gen.truncate(before)
-            raise
-        first = len(gen.context) - 1  # extend sampled the answer's first token
-        received: list[int] = []
-
-        def collect(new, levels):
-            received.extend(new)
-            if on_tokens is not None:
-                on_tokens(new, levels)
-
-        decode_start = time.perf_counter()
-        status = "interrupted"
-        try:
-            gen.generate(on_tokens=collect, stop_ids=self.stops)
-            status = "stop" if received and received[-1] in self.stops else "length"
-        except KeyboardInterrupt:
-            pass
-        with held_interrupts():  # a second Ctrl-C must not leave the caches half-repaired
-            if len(gen.context) != first + len(received):
-                gen.truncate(first + len(received))  # drop tokens past the stop, or not yet shown
-            if status == "interrupted":
-                _count_decode(gen.stats, len(received), time.perf_counter() - decode_start)
-        text = self.tok.decode(received, skip_special_tokens=True).strip()
-        answer = Answer(question, received, text, status, time.perf_counter() - start, gen.stats)
-        self.turns.append(answer)
-        self.log.append(answer)
-        self.last = answer
-        return answer
-
-    def reset(self) -> None:
-        """Back to the book alone: the conversation was only appended, so the book's K/V are intact."""
-        with held_interrupts():
-            self.gen.resume(self.book.prompt, self.queries)
-        self.turns = []
-        self.log.append(None)
-
-    def transcript(self) -> str:
-        lines = [f"# Chat about {self.book.name}", ""]
-        for a in self.log:
-            if a is None:
-                lines += ["---", "*(conversation reset)*", ""]
-            else:
-                end = {"interrupted": " *(stopped)*", "length": " *(cut at --max-new-tokens)*"}.get(a.status, "")
-                lines += ["**You:** " + a.question, "", "**Assistant:** " + a.text + end, ""]
-        return "\n".join(lines).rstrip() + "\n"
-
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
-
-
-def _count_decode(stats: Stats, tokens: int, seconds: float) -> None:
-    """generate() records nothing when interrupted; /stats should still describe the partial answer."""
-    stats.new_tokens, stats.decode_tokens, stats.decode_seconds = tokens, max(tokens - 1, 0), seconds
-
-
-@contextmanager
-def held_interrupts():
-    """Ignore Ctrl-C while caches are made consistent (signals can only be handled in the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda *_: None)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    run = run_config(args, sampling=None)
+    check_flags(run)  # before the book or the model is read
+    return ChatOptions(run, args.book, args.room, args.cache_dir, args.no_cache, args.show_levels)
 
 
 def summary(a: Answer, max_new_tokens: int) -> str:
@@ -198,21 +89,15 @@ def summary(a: Answer, max_new_tokens: int) -> str:
 
 
 class AnswerPrinter:
-    """Writes an answer as its tokens arrive; decoding the whole answer each time keeps multi-token
-    characters and spacing right (a piece ending in U+FFFD waits for the rest of its character)."""
+    """Writes an answer as its tokens arrive (triforce.runtime.text.StreamingText), each piece
+    coloured by the level that proposed its last token when asked."""
 
     def __init__(self, tok, out, colour: bool):
-        self.tok, self.out, self.colour = tok, out, colour
-        self.tokens: list[int] = []
-        self.shown = 0
+        self.text, self.out, self.colour = StreamingText(tok), out, colour
 
     def __call__(self, new: list[int], levels: list[str]) -> None:
         for token, level in zip(new, levels):
-            self.tokens.append(token)
-            text = self.tok.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            if text.endswith("\ufffd"):
-                continue
-            piece, self.shown = text[self.shown:], len(text)
+            piece = self.text.push([token])
             if piece and self.colour and level in COLOURS:
                 piece = f"{COLOURS[level]}{piece}\x1b[0m"
             self.out.write(piece)
@@ -312,25 +197,37 @@ def _save_transcript(chat: Chat, target: str, console) -> None:
 
 # ------------------------------------------------------------------------------------- start-up
 def start(opts: ChatOptions, interactive: bool | None = None) -> Chat:
-    """Everything before the first question: book, model, and the book's KV cache."""
+    """Everything before the first question (triforce.runtime.chat.open_chat), said on the console."""
     console = Console(stderr=True, quiet=int(os.environ.get("RANK", "0")) != 0)
-    run = opts.run
-    ModelConfig.from_folder(run.model)  # a missing or broken model folder: one clear line, before any work
-    text = read_text(opts.book, "book")  # so is a bad book file: before the tokenizer's slow import
-    tok = load_tokenizer(run.model)
     if interactive is None:
         interactive = sys.stdin.isatty() and int(os.environ.get("WORLD_SIZE", "1")) == 1
-    book = prepare_book(opts, tok, console, interactive, text)
-    total = len(book.prompt) + opts.room
-    # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
-    # that is the book plus the conversation's room, and the book is already cut to --context
-    run, cfg = generation_plan(run, len(book.prompt), lambda note: console.print(f"[yellow]note:[/] {escape(as_flags(note))}"))  # bad settings are refused before the weights load
-    session = open_session(replace(run, max_new_tokens=total, context=None), None, modes=(run.mode,), tokenizer=tok)
-    gen = session.generator(cfg, max_len=total)
-    queries = load_or_prefill(opts, session, gen, book, console)
-    chat = Chat(gen, session.tokenizer, book, queries, stop_ids(tok, book.fmt, run.model), session)
+    chat = open_chat(opts, ConsoleReporter(console), _confirm if interactive else None,
+                     open_session=lambda run, tok: open_session(run, None, modes=(run.mode,), tokenizer=tok))
     console.print(f"ready in {time.perf_counter() - _T0:.1f} s")
     return chat
+
+
+def _confirm(question: str) -> bool:
+    try:
+        return input(question).strip().lower() in ("y", "yes")
+    except (EOFError, KeyboardInterrupt):
+        return False
+
+
+class ConsoleReporter(Reporter):
+    """The library's notes and warnings on the console, in command-line words; prefills as a bar."""
+
+    def __init__(self, console):
+        self.console = console
+
+    def note(self, text: str) -> None:
+        self.console.print(escape(as_flags(text)))
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"[yellow]{escape(as_flags(text))}[/]")
+
+    def progress(self, total: int, done: int = 0, label: str = "prefill"):
+        return prefill_progress(self.console, total, label, done)
 
 
 def main(argv=None) -> int:
@@ -342,7 +239,7 @@ def main(argv=None) -> int:
     if not chat.is_main and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # other ranks follow rank 0's input, not the keyboard
     try:
-        return repl(chat, sys.stdin, chat.out, opts.show_levels)
+        return repl(chat, sys.stdin, chat.session.stdout, opts.show_levels)
     finally:
         chat.close()
 

