@@ -2,7 +2,8 @@
 
 On a GPU the host queues kernels and runs ahead; it stops at a device-wide synchronize(), at every
 read of a device value (item, tolist, cpu, numpy, and bool/int/float/index of a tensor) and at a
-blocking host-to-device copy of a Python list (torch.tensor(list, device=...)). On CPU nothing
+blocking host-to-device copy of a Python list (torch.tensor(list, device=...)), and where an
+offloaded cache waits for its write-backs (Streamer.sync_host). On CPU nothing
 waits, but the same call sites run, so counting the calls gives on CPU the count a GPU would pay.
 
 `HostSyncCounter` patches those entry points while it is active. It counts every call made while
@@ -66,6 +67,9 @@ class HostSyncCounter:
         self._wrap(engine, "synchronize", "synchronize", lambda device: device.type != "cuda")
         for name in READS:
             self._wrap(torch.Tensor, name, name)
+        # the offloaded cache waits for its write-backs before the host reads its store (on CPU a no-op)
+        from triforce.offload.streamer import Streamer
+        self._wrap(Streamer, "sync_host", "offload write-back wait")
         self._wrap(torch, "tensor", "tensor(list)", lambda data, *a, **k: isinstance(data, (list, tuple)))
         self._wrap(torch, "as_tensor", "tensor(list)", lambda data, *a, **k: isinstance(data, (list, tuple)))
         return self
