@@ -153,7 +153,7 @@ def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
     graph (a one-time cost, hundreds of times a replay) counts in its round, not in the level's
     costs, or the moving average would keep a cheap graphed level looking dear for dozens of passes."""
     from triforce.speculative.caches import FullCache
-    from triforce.speculative.engine import Level
+    from triforce.speculative.engine import Level, PassClock, Sequence
     from triforce.speculative.stats import Stats
 
     save_tiny(tmp_path, seed=2, vocab=48)
@@ -171,12 +171,19 @@ def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
 
     stats = Stats()
     stats.phase = "decode"
-    level = Level("verify", Capturing(), FullCache(model.kv_shape(), 64), stats)
+    cpu = torch.device("cpu")
+    seq = Sequence(8, cpu)
+    seq.put(0, [3, 4, 5, 6])
+    level = Level("verify", Capturing(), FullCache(model.kv_shape(), 64), stats, PassClock(cpu))
+    seq.levels = [level]
     level.meter = chooser = Chooser(SUB_MODES["autoregressive"], gamma1=1, gamma2=1)
-    level.run([3, 4, 5], 1, stable=0)  # captures
+    level.run(seq, 3, 1)  # captures
+    assert chooser.pass_seconds == 0  # timed passes are reported once the round's tokens are read
+    level.report()
     first = chooser.pass_seconds
     assert not chooser.costs.known("verify") and first > 0  # in the round's time, not a cost sample
-    level.run([3, 4, 5, 6], 1, stable=3)  # replays
+    level.run(seq, 4, 1)  # replays
+    level.report()
     assert chooser.costs.mean["verify"] == {1: pytest.approx(chooser.pass_seconds - first)}
 
 

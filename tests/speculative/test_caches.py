@@ -107,7 +107,7 @@ def test_full_cache_rollback_then_append_overwrites():
 
 
 def test_streaming_window_keeps_sinks_and_last_token():
-    rotary = Rotary(__import__("speculative").ModelConfig(
+    rotary = Rotary(__import__("triforce.model.config", fromlist=["ModelConfig"]).ModelConfig(
         vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=3, num_heads=2, num_kv_heads=2, head_dim=8,
         max_position_embeddings=64))
     cache = StreamingCache(SHAPE, rotary, sinks=3, window=10, slack=4)

@@ -1,9 +1,12 @@
 """The engines: autoregressive, single-level speculative, retrieval self-speculation, hierarchical.
 
-All four are one loop over levels. A `Level` is a model plus a cache plus the list of tokens the
-cache holds; `Level.run(context, n)` brings the cache in line with `context` (rolling back what
-differs, feeding what is missing) and returns the logits of the last n positions. Proposers
-extend a context by n tokens and return the distributions they drew them from:
+All four are one loop over levels. The sequence lives on the model's device (`Sequence`: a
+preallocated tensor of ids); a `Level` is a model plus a cache holding a prefix of it, and
+`Level.run(seq, end, n)` brings the cache in line with seq[:end] (rolling back what changed, feeding
+what is missing) and returns the logits of the last n positions. Proposers write n tokens into the
+sequence and return the distributions they drew them from; tokens, distributions and acceptance
+stay on the device, and the host reads once per full-cache round (plus once per middle-level pass,
+whose acceptance decides where the drafter goes next):
 
     autoregressive proposer   one level sampling token by token (the drafter, or the middle level)
     speculative proposer      a source proposer drafts gamma tokens, this level verifies them in one
@@ -35,7 +38,7 @@ from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
 from .models import CacheSizes, Models, Prefilled, self_drafter
 from .retrieval import RebuildPolicy, RetrievalCache, check_budget
-from .sampling import Sampler, draw, verify_greedy, verify_sampled
+from .sampling import Sampler, draw_rows, verify_greedy, verify_sampled
 from .stats import Stats
 
 from .modes import MODES, retrieves
@@ -46,123 +49,203 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Sequence:
+    """The token sequence on the model's device: a preallocated tensor of ids. Positions up to the
+    generator's committed length are final; later ones hold the current round's proposals.
+
+    Levels hold a prefix of it in their caches. Every write tells them the first position that
+    changed, so a level knows how much of what it holds is still the sequence without comparing
+    tokens on the host."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.ids = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.levels: list[Level] = []
+
+    def write(self, start: int, tokens: torch.Tensor) -> None:
+        """Device tokens (n,) at positions [start, start + n): no host read, no host copy."""
+        self.ids[start:start + tokens.shape[0]] = tokens
+        self._changed_from(start)
+
+    def put(self, start: int, tokens: list[int]) -> None:
+        """Host tokens (a prompt, a chat turn) at `start`. Off the hot path, so it may read: levels
+        keep what they hold where the new tokens equal the old ones (a resumed prompt, a re-sent turn)."""
+        new = torch.tensor(tokens, dtype=torch.long, device=self.ids.device)
+        end = start + new.shape[0]
+        if end > self.ids.shape[0]:
+            raise ValueError(f"{end} tokens exceed the sequence's {self.ids.shape[0]}")
+        differs = (self.ids[start:end] != new).nonzero()
+        if differs.numel():
+            self.ids[start:end] = new
+            self._changed_from(start + int(differs[0, 0]))
+
+    def _changed_from(self, position: int) -> None:
+        for level in self.levels:
+            level.changed_from(position)
+
+
+class PassClock:
+    """Times passes without making the host wait: CUDA events, read once the round's tokens have come
+    back (the events are complete by then); on CPU a pass is done when its call returns."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
 class Level:
-    """A model running against one cache; `tokens` are the sequence tokens the cache holds."""
+    """A model running against one cache, which holds the K/V of the sequence's first `held` positions;
+    the first `agreed` of them still hold the sequence's current tokens."""
 
-    def __init__(self, name: str, model: Transformer, cache, stats: Stats):
-        self.name, self.model, self.cache, self.stats = name, model, cache, stats
-        self.tokens: list[int] = []
+    def __init__(self, name: str, model: Transformer, cache, stats: Stats, clock: PassClock):
+        self.name, self.model, self.cache, self.stats, self.clock = name, model, cache, stats, clock
+        self.held = self.agreed = 0
         self.meter: Chooser | None = None  # an adaptive generator's chooser, which times decode passes
+        self.timings: list[tuple] = []  # decode passes not yet reported: (tokens, start, end, typical)
 
-    def common_prefix(self, context: list[int], stable: int) -> int:
-        """Length of the shared prefix of self.tokens and context; both agree below `stable`."""
-        n = min(stable, len(self.tokens), len(context))
-        limit = min(len(self.tokens), len(context))
-        while n < limit and self.tokens[n] == context[n]:
-            n += 1
-        return n
+    def changed_from(self, position: int) -> None:
+        """The sequence changed at `position`: what this level holds from there on is stale."""
+        self.agreed = min(self.agreed, position)
 
-    def run(self, context: list[int], n_out: int, stable: int, progress: Callable | None = None) -> torch.Tensor:
-        """Logits (n_out, V) predicting the tokens after each of the last n_out positions of context."""
-        keep = min(self.common_prefix(context, stable), len(context) - n_out)
+    def adopt(self, length: int) -> None:
+        """The cache was rewritten outside a pass (a retrieval rebuild or absorb, a restored prompt) and
+        now stands for the sequence's first `length` positions."""
+        self.held = self.agreed = length
+
+    def run(self, seq: Sequence, end: int, n_out: int, progress: Callable | None = None) -> torch.Tensor:
+        """Logits (n_out, V) predicting the tokens after each of positions [end - n_out, end)."""
+        keep = min(self.agreed, end - n_out)
         self.rollback(keep)
-        device = self.model.embed.weight.device
-        synchronize(device)
+        logits = self.feed(seq.ids[keep:end], n_out, progress)
+        self.held = self.agreed = end
+        return logits
+
+    def feed(self, ids: torch.Tensor, n_out: int, progress: Callable | None = None) -> torch.Tensor:
+        """Run the model over device tokens appended to the cache, piece by piece."""
         captures = getattr(self.model, "captures", 0)
-        start = time.perf_counter()
-        feed = context[keep:]
-        logits = []
+        start = self.clock.now()
+        logits, fed = [], 0
         try:
-            for i in range(0, len(feed), self.cache.max_feed):
-                piece = feed[i:i + self.cache.max_feed]
-                out_needed = n_out - (len(feed) - i - len(piece))  # outputs this piece must return
-                ids = torch.tensor(piece, dtype=torch.long, device=device)
+            for i in range(0, ids.shape[0], self.cache.max_feed):
+                piece = ids[i:i + self.cache.max_feed]
+                out_needed = n_out - (ids.shape[0] - i - piece.shape[0])  # outputs this piece must return
                 # a piece whose logits nobody reads computes only its last row: the output head over
                 # every position of a 4,096-token piece is 0.2 TFLOP for SmolLM2, 1.1 for Qwen2.5
-                out = self.model(ids, self.cache, last_only=out_needed <= 1)
+                out = self.model(piece, self.cache, last_only=out_needed <= 1)
                 if out_needed > 0:
                     logits.append(out[-out_needed:])
-                self.tokens.extend(piece)
+                fed += piece.shape[0]
                 if progress is not None:
-                    progress(len(piece))
+                    progress(piece.shape[0])
         except BaseException:
-            self.cache.rollback(len(self.tokens))  # a half-done forward (e.g. Ctrl-C) leaves no trace
+            self.held += fed
+            self.cache.rollback(self.held)  # a half-done forward (e.g. Ctrl-C) leaves no trace
             raise
-        synchronize(device)
-        seconds = time.perf_counter() - start
-        self.stats.add_pass(self.name, seconds)
-        if self.meter is not None and self.stats.phase != "prefill":
+        if self.stats.phase != "prefill":
             # a pass that captured a CUDA graph paid a one-time cost, not what the next one will
-            self.meter.passed(self.name, len(feed), seconds, typical=getattr(self.model, "captures", 0) == captures)
+            self.timings.append((ids.shape[0], start, self.clock.now(), getattr(self.model, "captures", 0) == captures))
         return torch.cat(logits)[-n_out:]
 
+    def report(self) -> None:
+        """Hand the passes' times to the statistics and the chooser, once the host has waited anyway."""
+        for tokens, start, end, typical in self.timings:
+            seconds = self.clock.seconds(start, end)
+            self.stats.add_pass(self.name, seconds)
+            if self.meter is not None:
+                self.meter.passed(self.name, tokens, seconds, typical=typical)
+        self.timings.clear()
+
     def rollback(self, length: int) -> None:
-        if length < len(self.tokens):
+        if length < self.held:
             self.cache.rollback(length)
-            del self.tokens[length:]
+            self.held = length
+            self.agreed = min(self.agreed, length)
 
 
 class Sampling:
-    """The sampler plus its generator, shared by every level so runs are reproducible by seed."""
+    """The sampler plus its generator on the model's device, shared by every level so runs are
+    reproducible by seed. Tokens, distributions and acceptance stay on the device."""
 
     def __init__(self, cfg: GenerationConfig, device: torch.device):
         self.sampler = Sampler(cfg.temperature, cfg.top_p, cfg.top_k)
-        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(cfg.seed)
 
-    def pick(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        """Tokens sampled from each row, and the rows' distributions (None when greedy)."""
-        if self.sampler.greedy:
-            return logits.argmax(dim=-1).tolist(), None
-        probs = self.sampler.probs(logits).cpu()
-        return [draw(p, self.generator) for p in probs], probs
+    def uniforms(self, n: int) -> torch.Tensor:
+        return torch.rand(n, generator=self.generator, device=self.device, dtype=torch.float64)
 
-    def verify(self, drafts: list[int], draft_probs, logits: torch.Tensor) -> tuple[int, int, torch.Tensor | None]:
-        """(accepted, next token, this level's distributions (g+1, V) or None when greedy)."""
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (N,) sampled from each row, and the rows' distributions (None when greedy)."""
         if self.sampler.greedy:
-            n, nxt = verify_greedy(drafts, logits.argmax(dim=-1).tolist())
-            return n, nxt, None
-        probs = self.sampler.probs(logits).cpu()
-        n, nxt = verify_sampled(drafts, draft_probs, probs, self.generator)
-        return n, nxt, probs
+            return logits.argmax(dim=-1), None
+        probs = self.sampler.probs(logits)
+        return draw_rows(probs, self.uniforms(probs.shape[0])), probs
+
+    def verify(self, drafts: torch.Tensor, draft_probs, logits: torch.Tensor):
+        """(accepted, next token) as 0-dim device tensors, and this level's distributions (g+1, V)
+        or None when greedy."""
+        if self.sampler.greedy:
+            accepted, nxt = verify_greedy(drafts, logits.argmax(dim=-1))
+            return accepted, nxt, None
+        probs = self.sampler.probs(logits)
+        if drafts.shape[0] == 0:  # nothing to verify: a plain draw
+            return torch.zeros((), dtype=torch.long, device=self.device), draw_rows(probs, self.uniforms(1))[0], probs
+        accepted, nxt = verify_sampled(drafts, draft_probs, probs, self.uniforms(drafts.shape[0] + 1))
+        return accepted, nxt, probs
 
 
 class AutoregressiveProposer:
     def __init__(self, level: Level, sampling: Sampling):
         self.level, self.sampling = level, sampling
 
-    def propose(self, context: list[int], n: int, stable: int):
-        tokens, dists = [], []
-        for _ in range(n):
-            logits = self.level.run(context + tokens, 1, stable)
-            picked, probs = self.sampling.pick(logits)
-            tokens.append(picked[0])
-            dists.append(None if probs is None else probs[0])
+    def propose(self, seq: Sequence, start: int, n: int):
+        """Write n tokens at positions [start, start + n) of seq; returns their distributions (n, V)
+        (None when greedy). Each token goes from the sampler to the next pass on the device."""
+        dists = []
+        for k in range(n):
+            logits = self.level.run(seq, start + k, 1)
+            token, probs = self.sampling.pick(logits)
+            seq.write(start + k, token)
+            dists.append(probs)
         self.origins = [self.level.name] * n  # the level that produced each token (for display)
-        return tokens, None if dists[0] is None else torch.stack(dists)
+        return None if dists[0] is None else torch.cat(dists)
 
 
 class SpeculativeProposer:
-    """This level verifies `gamma` drafts of its source proposer per pass; returns n tokens drawn
+    """This level verifies `gamma` drafts of its source proposer per pass; writes n tokens drawn
     exactly from this level's model, with this level's distribution for each (passed upward)."""
 
     def __init__(self, level: Level, source, gamma: int, sampling: Sampling, stats_key: str):
         self.level, self.source, self.gamma, self.sampling, self.key = level, source, gamma, sampling, stats_key
 
-    def propose(self, context: list[int], n: int, stable: int):
-        tokens, dists, origins = [], [], []
-        while len(tokens) < n:
-            drafts, draft_probs = self.source.propose(context + tokens, min(self.gamma, n - len(tokens)), stable)
-            logits = self.level.run(context + tokens + drafts, len(drafts) + 1, stable)
-            accepted, nxt, probs = self.sampling.verify(drafts, draft_probs, logits)
-            self.level.stats.add_acceptance(self.key, len(drafts), accepted)
+    def propose(self, seq: Sequence, start: int, n: int):
+        done, dists, origins = 0, [], []
+        while done < n:
+            at = start + done
+            g = min(self.gamma, n - done)
+            draft_probs = self.source.propose(seq, at, g)
+            logits = self.level.run(seq, at + g, g + 1)
+            accepted, nxt, probs = self.sampling.verify(seq.ids[at:at + g], draft_probs, logits)
+            # where the next drafts go depends on how many stood: this level's one wait per pass
+            n_accepted = int(accepted)
+            seq.write(at + n_accepted, nxt[None])
+            self.level.stats.add_acceptance(self.key, g, n_accepted)
             if self.level.meter is not None:
-                self.level.meter.acceptance.record(self.key, len(drafts), accepted)
-            tokens += drafts[:accepted] + [nxt]
-            origins += self.source.origins[:accepted] + [self.level.name]
+                self.level.meter.acceptance.record(self.key, g, n_accepted)
+            origins += self.source.origins[:n_accepted] + [self.level.name]
             if probs is not None:
-                dists += list(probs[:accepted + 1])
+                dists.append(probs[:n_accepted + 1])
+            done += n_accepted + 1
         self.origins = origins[:n]
-        return tokens[:n], torch.stack(dists[:n]) if dists else None
+        return torch.cat(dists)[:n] if dists else None
 
 
 class Generator:
@@ -194,21 +277,25 @@ class Generator:
             make_full = full_cache_factory or (lambda shape, slots, reserve: FullCache(shape, slots, cfg.prefill_piece(self.device)))
             reserve = sizes.after_full_bytes(target.kv_shape(), drafter.kv_shape() if drafter else None)
             full_cache = make_full(target.kv_shape(), sizes.full, reserve)
-        self.full = Level("verify", target, full_cache, self.stats)
+        self.clock = PassClock(self.device)
+        # room past max_len: a round may propose (and the middle level overshoot) past the last token kept
+        self.seq = Sequence(max_len + 2 * (cfg.gamma1 + cfg.gamma2 + 2), self.device)
+        self.full = Level("verify", target, full_cache, self.stats, self.clock)
         self.middle = self.drafter = self.rebuilds = None
         if sizes.budget is not None:
             cache = RetrievalCache(target.kv_shape(), sizes.budget, cfg.chunk_size, scratch=sizes.scratch)
-            self.middle = Level("middle", proposing, cache, self.stats)
+            self.middle = Level("middle", proposing, cache, self.stats, self.clock)
             self.rebuilds = RebuildPolicy(cfg.rebuild_threshold)
         if drafter is not None:
             cache = StreamingCache(drafter.kv_shape(), drafter.rotary, sizes.sinks, sizes.window,
                                    slack=sizes.streaming_slack)
-            self.drafter = Level("draft", drafter, cache, self.stats)
+            self.drafter = Level("draft", drafter, cache, self.stats, self.clock)
+        self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter) if lv is not None]
         self.chooser, self.agree = None, agree
         self._new_chooser()
         self.proposers = {m: self._compose(m) for m in SUB_MODES[mode]}
         self.gamma = self.proposers[mode][1]  # the fixed mode's proposals per full pass
-        self.context: list[int] = []
+        self.context: list[int] = []  # the host's copy of seq.ids[:committed], extended once per round
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
         if prefilled:
             self.resume(prefilled.prompt, prefilled.queries, prefilled.first)
@@ -234,8 +321,9 @@ class Generator:
         try:
             self.full.cache.rollback(len(prompt))
             self.full.cache.queries = [q[None] for q in queries]
-            self.full.tokens = list(prompt)
             self.context = list(prompt) + ([] if first is None else [first])
+            self.seq.put(0, self.context)
+            self.full.adopt(len(prompt))
             self.committed = len(self.context)
             self.sampling.generator.manual_seed(self.cfg.seed)
             self._new_chooser()  # an adaptive run learns afresh, as a new process would
@@ -244,10 +332,16 @@ class Generator:
             if self.middle is not None:
                 check_budget(self.cfg.budget, self.cfg.chunk_size, len(prompt))
                 self._rebuild(query_index=-1)
-            if self.drafter is not None and self.drafter.tokens != list(prompt):
-                self._restart_drafter(list(prompt))
+            if self.drafter is not None and not self.drafter.held == self.drafter.agreed == len(prompt):
+                self._restart_drafter(len(prompt))
         finally:
             self.stats.phase = "decode"
+
+    def restored(self, tokens: list[int]) -> None:
+        """The full cache's first len(tokens) slots were filled from disk with these tokens' K/V: the
+        prefill that follows (extend) starts after them."""
+        self.seq.put(0, tokens)
+        self.full.adopt(len(tokens))
 
     def _new_chooser(self) -> None:
         """An adaptive generator's chooser, knowing nothing yet, timing every level's passes."""
@@ -290,22 +384,25 @@ class Generator:
         start = time.perf_counter()
         self.stats.phase = "prefill"
         first_prompt = not self.context
-        self.context = self.context + list(tokens)
+        self.seq.put(len(self.context), list(tokens))
+        self.context.extend(tokens)
         try:
-            logits = self.full.run(self.context, 1, self.committed, progress)
-            first, _ = self.sampling.pick(logits)
-            self.context.append(first[0])
+            logits = self.full.run(self.seq, len(self.context), 1, progress)
+            token, _ = self.sampling.pick(logits)
+            self.seq.write(len(self.context), token)
+            first = int(token[0])
+            self.context.append(first)
             self.committed = len(self.context)
             if self.middle is not None:
                 self._rebuild(query_index=-1)  # score chunks with the newest token's query
             if self.drafter is not None and first_prompt:
-                self._prefill_drafter(self.context[:-1])
+                self._prefill_drafter(len(self.context) - 1)
         finally:
             synchronize(self.device)
             self.stats.phase = "decode"
         self.stats.prefill_seconds += time.perf_counter() - start
         self.stats.prompt_tokens += len(tokens)
-        return first[0]
+        return first
 
     def reset_stats(self) -> Stats:
         """Fresh statistics (e.g. per chat answer); returns the old ones."""
@@ -315,20 +412,19 @@ class Generator:
                 level.stats = self.stats
         return old
 
-    def _prefill_drafter(self, prompt: list[int]) -> None:
-        """StreamingLLM state after a prompt: the sinks and the last window tokens, nothing between.
-
-        Running the drafter over just those tokens costs a window, not the whole prompt."""
+    def _prefill_drafter(self, n: int) -> None:
+        """StreamingLLM state after the sequence's first n tokens: the sinks and the last window
+        tokens, nothing between. Running the drafter over just those costs a window, not the prompt."""
         level, cache = self.drafter, self.drafter.cache
         sinks, window = cache.sinks, cache.window
-        if len(prompt) <= sinks + window:
-            level.run(prompt, 1, 0)
+        if n <= sinks + window:
+            level.run(self.seq, n, 1)
             return
-        visible = prompt[:sinks] + prompt[-window:]
-        level.run(visible, 1, 0)
-        cache.length = len(prompt)  # the sequence the slots stand for
+        ids = self.seq.ids
+        level.feed(torch.cat((ids[:sinks], ids[n - window:n])), 1)
+        cache.length = n  # the sequence the slots stand for
         cache.evictions += 1  # tokens between sinks and window were dropped: slots no longer map 1:1
-        level.tokens = list(prompt)
+        level.adopt(n)
 
     def truncate(self, length: int) -> None:
         """Forget context[length:] and make context[:length] the committed state, as if generation had
@@ -338,8 +434,7 @@ class Generator:
         (Level.run); the retrieval cache cannot roll back below its base, so it is rebuilt."""
         if not 0 < length <= len(self.context):
             raise ValueError(f"cannot truncate a context of {len(self.context)} tokens to {length}")
-        stable = min(length, self.committed) - 1  # below this every level agrees with the context
-        held = self.full.common_prefix(self.context[:length], stable)
+        held = min(self.full.agreed, length)
         if held < length - 1:  # e.g. a turn extend() did not finish: only its start can be kept
             raise ValueError(f"the full cache holds {held} of the {length - 1} tokens to keep")
         del self.context[length:]
@@ -347,24 +442,24 @@ class Generator:
         self.full.rollback(held)
         if self.drafter is not None:
             try:
-                self.drafter.rollback(self.drafter.common_prefix(self.context, stable))
+                self.drafter.rollback(min(self.drafter.agreed, length))
             except RuntimeError:  # further back than the StreamingLLM window: start it again
-                self._restart_drafter(self.context[:-1])
+                self._restart_drafter(length - 1)
         if self.middle is not None:
             self._rebuild(query_index=-1)
 
-    def _restart_drafter(self, prompt: list[int]) -> None:
-        """Empty the drafter's StreamingLLM cache and prefill it cheaply for `prompt`."""
+    def _restart_drafter(self, n: int) -> None:
+        """Empty the drafter's StreamingLLM cache and prefill it cheaply for the first n tokens."""
         cache = self.drafter.cache
         cache.used = cache.length = cache.evictions = 0  # as freshly built
-        self.drafter.tokens = []
-        self._prefill_drafter(prompt)
+        self.drafter.adopt(0)
+        self._prefill_drafter(n)
 
     def _rebuild(self, query_index: int) -> None:
         n = self.committed - 1
         queries = [q[query_index] for q in self.full.cache.queries]
         self.middle.cache.build(self.full.cache, n, queries)
-        self.middle.tokens = self.context[:n]
+        self.middle.adopt(n)
         self.rebuilds.reset()
         self.stats.rebuilds += 1
 
@@ -388,7 +483,8 @@ class Generator:
             out += new
             if on_tokens:
                 on_tokens(new, self.origins[:len(new)])
-        synchronize(self.device)
+        # no synchronize: every round ended with its tokens on the host; upkeep queued after them
+        # (a retrieval absorb) is paid by whoever next waits
         self.stats.decode_seconds += time.perf_counter() - start
         if self.chooser is not None:
             self.stats.estimates = self.chooser.summary()
@@ -399,8 +495,8 @@ class Generator:
         return out
 
     def step(self) -> list[int]:
-        """One full-cache pass: propose, verify, commit. Returns the newly committed tokens."""
-        stable = self.committed - 1
+        """One full-cache pass: propose, verify, commit. Returns the newly committed tokens, which
+        come back to the host once per round (the only wait, where no middle level verifies)."""
         mode, gamma = self.mode, self.gamma
         start = time.perf_counter()
         if self.chooser is not None:
@@ -408,24 +504,32 @@ class Generator:
             mode, gamma = plan.mode, plan.gamma
             self.stats.add_mode(mode)
         proposer = self.proposers[mode][0]
+        c = len(self.context)
         if proposer is None:
-            drafts, draft_probs = [], None
+            gamma, draft_probs = 0, None
         else:
-            drafts, draft_probs = proposer.propose(self.context, gamma, stable)
-        logits = self.full.run(self.context + drafts, len(drafts) + 1, stable)
+            draft_probs = proposer.propose(self.seq, c, gamma)
+        logits = self.full.run(self.seq, c + gamma, gamma + 1)
+        drafts = self.seq.ids[c:c + gamma]
         accepted, nxt, _ = self.sampling.verify(drafts, draft_probs, logits)
-        if drafts:
+        # the round's one read: how many drafts stood, the drafts, the next token
+        read = torch.cat((accepted[None], drafts, nxt[None])).tolist()
+        n_accepted = read[0]
+        new = read[1:1 + n_accepted] + [read[-1]]
+        self.seq.write(c + n_accepted, nxt[None])
+        for level in self.seq.levels:
+            level.report()
+        if gamma:
             edge = ("draft" if mode == "speculative" else "middle") + "->verify"
-            self.stats.add_acceptance(edge, len(drafts), accepted)
+            self.stats.add_acceptance(edge, gamma, n_accepted)
             if self.chooser is not None:
-                self.chooser.acceptance.record(edge, len(drafts), accepted)
-        new = drafts[:accepted] + [nxt]
-        self.origins = (proposer.origins[:accepted] if drafts else []) + [self.full.name]
+                self.chooser.acceptance.record(edge, gamma, n_accepted)
+        self.origins = (proposer.origins[:n_accepted] if gamma else []) + [self.full.name]
         self.context += new
         self.committed = len(self.context)
         self.full.rollback(self.committed - 1)
         if self.middle is not None:
-            self._update_middle(accepted, len(drafts) if retrieves(mode) else 0)
+            self._update_middle(n_accepted, gamma if retrieves(mode) else 0)
         if self.chooser is not None:
             self.chooser.finished(mode, time.perf_counter() - start)
         return new
@@ -439,4 +543,4 @@ class Generator:
             self._rebuild(query_index=accepted)  # the query of the last committed token
         else:
             self.middle.cache.absorb(self.full.cache, n)
-            self.middle.tokens = self.context[:n]
+            self.middle.adopt(n)

@@ -232,7 +232,7 @@ class Checkpoints:
             self.saved = end
         if self.saved:
             cache.fill(self.saved)
-            self.gen.full.tokens = self.prompt[:self.saved]
+            self.gen.restored(self.prompt[:self.saved])
         return self.saved
 
     def after(self, _new_tokens: int = 0) -> None:

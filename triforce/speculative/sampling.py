@@ -39,39 +39,49 @@ class Sampler:
         return probs
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a (V,) distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of (N, V) distributions by inversion: the first token whose cumulative
+    mass exceeds u * total, for uniforms (N,) in [0, 1). Runs on the distributions' device (no host
+    read); a token of zero mass is never returned, even when rounding puts u * total at the top."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = (uniforms.to(torch.float64) * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, target, right=True)[:, 0]
+    last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(index, last_with_mass)
 
 
-def verify_greedy(drafts: list[int], target_argmax: list[int]) -> tuple[int, int]:
-    """(accepted count, next token): accept while the target's argmax agrees."""
-    n = 0
-    while n < len(drafts) and drafts[n] == target_argmax[n]:
-        n += 1
-    return n, target_argmax[n]
+def verify_greedy(drafts: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted count, next token) as 0-dim device tensors: accept while the target's argmax
+    agrees (the first mismatch), then the target's argmax there."""
+    agree = (drafts == target_argmax[:drafts.shape[0]]).long()
+    accepted = agree.cumprod(dim=0).sum()
+    return accepted, target_argmax.gather(0, accepted[None])[0]
 
 
-def verify_sampled(drafts: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   generator: torch.Generator, residual=None) -> tuple[int, int]:
-    """Speculative sampling over g drafts.
+def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   uniforms: torch.Tensor, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling over g drafts, on the device, as 0-dim tensors (accepted n, next token).
 
-    draft_probs: (g, V) the distributions the drafts were drawn from; target_probs: (g + 1, V).
-    Returns (accepted count n, next token): drafts[:n] stand, then the next token is a residual
-    sample (on rejection) or a bonus sample from target_probs[g] (all accepted).
+    draft_probs: (g, V) the distributions the drafts were drawn from; target_probs: (g + 1, V);
+    uniforms: (g + 1,) float64 in [0, 1): draft i stands while u_i * q(x_i) < p(x_i), and u_g draws
+    the next token, from norm(max(0, p - q)) at the first rejection or from target_probs[g] when all
+    are accepted (a zero q row there makes the residual p itself). u_g is independent of the
+    acceptance uniforms, so the draw has the law of a fresh one.
     `residual` exists so a test can substitute a wrong rule and see the checks fail.
     """
     residual = residual or residual_distribution
-    uniforms = torch.rand(len(drafts), generator=generator, dtype=torch.float64)
-    for i, x in enumerate(drafts):
-        p, q = float(target_probs[i, x]), float(draft_probs[i, x])
-        if uniforms[i] * q < p:  # u < p/q without dividing by a possibly zero q
-            continue
-        return i, draw(residual(target_probs[i], draft_probs[i]), generator)
-    return len(drafts), draw(target_probs[len(drafts)], generator)
+    g = drafts.shape[0]
+    rows = torch.arange(g, device=drafts.device)
+    p = target_probs[rows, drafts].to(torch.float64)
+    q = draft_probs[rows, drafts].to(torch.float64) if g else p
+    accepted = (uniforms[:g] * q < p).long().cumprod(dim=0).sum()  # u < p/q without dividing by q
+    no_draft = torch.zeros_like(target_probs[:1])
+    q_rows = torch.cat((draft_probs.to(target_probs.dtype), no_draft)) if g else no_draft
+    dist = residual(target_probs.index_select(0, accepted[None])[0], q_rows.index_select(0, accepted[None])[0])
+    return accepted, draw_rows(dist[None], uniforms[g:g + 1])[0]
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_min(0)
     total = r.sum()
-    return r / total if total > 0 else p  # total 0 only by rounding when p == q: then p is exact
+    return torch.where(total > 0, r / total, p)  # total 0 only by rounding when p == q: then p is exact

@@ -1,0 +1,100 @@
+"""Every GPU figure of issue 15 with one command (issue 22), aimed at under 10 minutes of device time:
+
+    python -m bench.gpu_figures --out results/gpu-<date>.json
+
+SmolLM2-135M (models/smollm2-135m) at 4K and 32K tokens, bfloat16, with the KV on the GPU and in host
+memory (--offload host), all four modes greedy and sampled, beside transformers' static and offloaded
+caches (bench.bench, which also checks greedy tokens against our autoregressive engine); the pinned
+host-to-device link floor (bench.linkbench / bench.measure); float32 greedy equality with the KV in
+host memory (bench.bench fails on a mismatch); CUDA-graph tokens equal to eager ones (tests/gpu).
+Each step runs the existing tool as its own process, so one failing step leaves the others' figures;
+the JSON holds every step's command, exit status, seconds and results.
+Without CUDA it prints one line and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OURS = "autoregressive,speculative,retrieval,triforce"
+MODEL = "models/smollm2-135m"
+
+
+def steps(model: str, new_tokens: int) -> list[tuple[str, list[str]]]:
+    """(name, argv after `python -m`) of every measurement, cheapest first."""
+    bench = ["bench.bench", "--model", model, "--new-tokens", str(new_tokens), "--repeats", "1", "--draft", "self"]
+    out = [("link floor", ["bench.linkbench", "--context", "32768", "--tokens", "1", "7", "--layers", "30"])]
+    for offload in ("none", "host"):
+        peers = "hf-static" if offload == "none" else "hf-offloaded"
+        for sampled in (False, True):
+            name = f"kv {'gpu' if offload == 'none' else 'host'} {'sampled' if sampled else 'greedy'}"
+            systems = OURS + ("" if sampled else f",{peers}")
+            argv = [*bench, "--contexts", "4096,32768", "--offload", offload, "--dtype", "bfloat16", "--systems", systems]
+            out.append((name, argv + (["--temperature", "0.8"] if sampled else [])))
+    out.append(("float32 greedy equality, kv host",
+                [*bench, "--contexts", "4096", "--offload", "host", "--dtype", "float32", "--systems", OURS]))
+    out.append(("graph == eager tokens", ["pytest", "-q", "tests/gpu"]))
+    return out
+
+
+def run_step(name: str, argv: list[str], scratch: Path, timeout: float) -> dict:
+    """One tool in its own process; a bench step's --out JSON (or a tool's JSON lines) is kept."""
+    out_file = scratch / (name.replace(" ", "-").replace("=", "eq") + ".json")
+    command = [sys.executable, "-m", *argv] + (["--out", str(out_file)] if argv[0] == "bench.bench" else [])
+    print(f"[gpu_figures] {name}: {' '.join(command[2:])}", flush=True)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as e:
+        code, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
+    seconds = time.perf_counter() - start
+    result = json.loads(out_file.read_text()) if out_file.exists() else json_lines(stdout)
+    print(f"[gpu_figures] {name}: exit {code} in {seconds:.0f} s", flush=True)
+    return {"name": name, "command": command[2:], "exit": code, "seconds": seconds, "result": result,
+            "tail": (stdout + stderr)[-2000:]}
+
+
+def json_lines(text: str) -> list:
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_figures", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=f"results/gpu-{time.strftime('%Y-%m-%d')}.json")
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--step-timeout", type=float, default=240.0, help="seconds before a step is abandoned")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    began = time.perf_counter()
+    figures = {"device": torch.cuda.get_device_name(0), "model": args.model, "new_tokens": args.new_tokens, "steps": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, step_argv in steps(args.model, args.new_tokens):
+            figures["steps"].append(run_step(name, step_argv, Path(scratch), args.step_timeout))
+    figures["seconds"] = time.perf_counter() - began
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=1))
+    failed = [s["name"] for s in figures["steps"] if s["exit"] != 0]
+    print(f"wrote {out} in {figures['seconds']:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

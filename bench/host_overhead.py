@@ -1,0 +1,179 @@
+"""Host overhead of the engines at widths where nothing else is left (issue 22).
+
+A random Llama of many thin layers (default 30 layers, hidden 64) makes every kernel tiny, so what a
+pass costs is the host's: Python, dispatch, and on a GPU every wait for the device. For each mode,
+greedy and sampled, it reports host waits per full-cache round (counted at the call sites where a
+GPU host would wait: triforce/speculative/hostsync.py), aten ops per generated token (a dispatch
+counter), and host milliseconds per pass and per token, beside transformers' StaticCache decode step
+on the same weights. JSON goes to --out.
+
+    python -m bench.host_overhead [--layers 30 --hidden 64 --context 512 --new-tokens 48]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from triforce.model.loader import load_model
+from triforce.speculative import GenerationConfig, Generator, Models
+from triforce.speculative.engine import MODES
+from triforce.speculative.hostsync import HostSyncCounter
+
+PROGRESS_AFTER_SECONDS = 10.0
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--gamma1", type=int, default=4)
+    ap.add_argument("--gamma2", type=int, default=6)
+    ap.add_argument("--out", default="results/host-overhead-cpu.json")
+    return ap.parse_args(argv)
+
+
+def tiny_checkpoint(args, folder: Path):
+    """A random Llama saved in HF format; returns transformers' model of it (for the StaticCache row)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4 * (args.context + args.new_tokens), tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def measure_mode(models, args, mode: str, temperature: float, prompt: list[int]) -> dict:
+    """Three generations from the same prompt: timed, counting host waits, counting aten ops."""
+    cfg = GenerationConfig(max_new_tokens=args.new_tokens, budget=args.budget, chunk_size=args.chunk,
+                           gamma1=args.gamma1, gamma2=args.gamma2, draft_window=args.budget, sink_tokens=4,
+                           temperature=temperature)
+
+    def fresh():
+        gen = Generator(models, cfg, mode, len(prompt) + 2 * args.new_tokens)
+        gen.prefill(prompt)
+        return gen
+
+    gen = fresh()
+    start = time.perf_counter()
+    tokens = len(gen.generate()) - 1
+    seconds = time.perf_counter() - start
+    passes = sum(gen.stats.passes.values())
+
+    gen, rounds = fresh(), 0
+    with HostSyncCounter() as waits:
+        while len(gen.context) < len(prompt) + args.new_tokens:
+            gen.step()
+            rounds += 1
+
+    gen = fresh()
+    with OpCounter() as ops:
+        counted = len(gen.generate()) - 1
+    return {"mode": mode, "sampled": temperature > 0, "tokens": tokens, "rounds": rounds,
+            "waits_per_round": waits.total / rounds, "waits_by_site": dict(waits.by_site),
+            "ops_per_token": ops.ops / counted, "passes_per_token": passes / tokens,
+            "host_ms_per_pass": 1e3 * seconds / passes, "host_ms_per_token": 1e3 * seconds / tokens}
+
+
+def measure_static_cache(hf_model, prompt: list[int], steps: int) -> dict | None:
+    """transformers' decode step over its StaticCache: ms and aten ops per step (argmax included)."""
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        return None
+    cache = StaticCache(config=hf_model.config, max_cache_len=len(prompt) + steps + 1)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(ids, past_key_values=cache, cache_position=torch.arange(len(prompt)), use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+
+        def step(position):
+            logits = hf_model(token, past_key_values=cache, cache_position=torch.tensor([position]),
+                              use_cache=True).logits
+            return logits[:, -1:].argmax(-1)
+
+        start = time.perf_counter()
+        for i in range(steps):
+            token = step(len(prompt) + i)
+        seconds = (time.perf_counter() - start) / steps
+        with OpCounter() as ops:
+            step(len(prompt))
+    return {"mode": "hf-static", "sampled": False, "waits_per_round": None, "ops_per_token": ops.ops,
+            "passes_per_token": 1.0, "host_ms_per_pass": 1e3 * seconds, "host_ms_per_token": 1e3 * seconds}
+
+
+def table(rows: list[dict]) -> str:
+    """Readable in 80 columns."""
+    head = f"{'mode':<15} {'sampling':<8} {'waits/round':>11} {'ops/token':>10} {'passes/tok':>10} " \
+           f"{'ms/pass':>8} {'ms/token':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        waits = "-" if r["waits_per_round"] is None else f"{r['waits_per_round']:.2f}"
+        lines.append(f"{r['mode']:<15} {'sampled' if r['sampled'] else 'greedy':<8} {waits:>11} "
+                     f"{r['ops_per_token']:>10,.0f} {r['passes_per_token']:>10.2f} "
+                     f"{r['host_ms_per_pass']:>8.2f} {r['host_ms_per_token']:>9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)  # thin layers: thread wake-ups would be most of what is measured
+    began = time.perf_counter()
+
+    def progress(what: str) -> None:
+        if time.perf_counter() - began > PROGRESS_AFTER_SECONDS:
+            print(f"[{time.perf_counter() - began:5.0f} s] {what}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory() as folder:
+        hf_model = tiny_checkpoint(args, Path(folder))
+        target = load_model(folder, torch.float32)
+    models = Models(target, None)  # the target drafts for itself (StreamingLLM cache), as on a GPU
+    prompt = torch.randint(0, args.vocab, (args.context,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows = []
+    for temperature in (0.0, 0.8):
+        for mode in MODES:
+            progress(f"{mode} {'sampled' if temperature else 'greedy'}")
+            rows.append(measure_mode(models, args, mode, temperature, prompt))
+    progress("transformers StaticCache")
+    static = measure_static_cache(hf_model, prompt, steps=args.new_tokens)
+    if static is not None:
+        rows.append(static)
+    text = table(rows)
+    print(f"{args.layers} layers, hidden {args.hidden}, {args.context}-token prompt, {args.new_tokens} new tokens, "
+          f"gamma1 {args.gamma1}, gamma2 {args.gamma2}, budget {args.budget}; CPU, 1 thread")
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

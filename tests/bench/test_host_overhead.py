@@ -1,0 +1,23 @@
+"""bench.host_overhead at toy size: every mode and transformers' StaticCache row, JSON written,
+one host wait per round where no middle level verifies, a table that fits 80 columns."""
+import json
+
+from bench import host_overhead
+
+
+def test_host_overhead_small(tmp_path, capsys):
+    out = tmp_path / "ho.json"
+    assert host_overhead.main(["--layers", "2", "--hidden", "32", "--context", "120", "--new-tokens", "8",
+                               "--budget", "64", "--chunk", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    ours = [r for r in rows if r["mode"] != "hf-static"]
+    assert {(r["mode"], r["sampled"]) for r in ours} == {(m, s) for m in host_overhead.MODES for s in (False, True)}
+    for r in ours:
+        assert r["ops_per_token"] > 0 and r["host_ms_per_pass"] > 0
+        if r["mode"] == "triforce":
+            assert r["waits_per_round"] > 1  # one more per middle-level verification
+        else:
+            assert r["waits_per_round"] == 1.0 and r["waits_by_site"] == {"tolist": r["rounds"]}
+    assert [r["mode"] for r in rows][-1] == "hf-static"
+    printed = capsys.readouterr().out
+    assert max(len(line) for line in printed.splitlines() if not line.startswith(("wrote", "2 layers"))) <= 80
