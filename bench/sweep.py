@@ -7,7 +7,7 @@ the same number of new tokens from that prefill, alternating with the autoregres
 drift hits all alike. Per setting: acceptance at each level, tokens per full-cache pass, milliseconds
 per pass of each level (draft / middle / verify), tokens/s and speedup over autoregressive. Greedy
 runs are checked token for token against the reference (a mismatch exits 1). This is the data the
-defaults in bench/common.py were chosen from (README, "Choosing the defaults").
+defaults in triforce/runtime/settings.py were chosen from (docs/results/2026-11-23-cpu-epyc-2core.md, "Choosing the defaults").
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def test_tokens_per_verification_limits():
 def test_shapes_match_known_sizes():
     assert cm.LLAMA2_7B.params == pytest.approx(6.74e9, rel=0.01)
     assert cm.LLAMA2_13B.params == pytest.approx(13.0e9, rel=0.01)
-    assert cm.LLAMA2_7B.kv_bytes_per_token == 512 * 1024  # DESIGN.md: 512 KiB per token
+    assert cm.LLAMA2_7B.kv_bytes_per_token == 512 * 1024  # docs/design.md: 512 KiB per token
     assert cm.LLAMA2_7B.kv_bytes(128 * 1024) == 64 * 2**30  # 64 GiB at 128K
 
 

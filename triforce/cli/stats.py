@@ -5,7 +5,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from triforce.runtime.report import level_ms_per_pass, link_floor
+from triforce.runtime.report import level_ms_per_pass, link_floor, versus_plain
 
 
 def print_session_stats(session, stats, cfg=None) -> None:
@@ -35,13 +35,18 @@ def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "
     host->device bandwidth measured now (CUDA; n/a on CPU, where there is no link to cross).
     `device`: where the run decoded; when not given, CUDA if this process has initialised it."""
     d = stats.to_dict()
-    title = f"{mode}, adaptive" if stats.modes else mode
+    title = f"adaptive over {mode}'s levels" if stats.modes else mode
     table = Table(title=f"{title}: {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new")
     table.add_column("statistic")
     table.add_column("value", justify="right")
     rows = [("prefill", f"{stats.prefill_seconds:.2f} s"), ("decode", f"{stats.decode_seconds:.2f} s"),
             ("decode tokens/s", _fmt(stats.tokens_per_second)),
             ("tokens per full-cache pass", _fmt(stats.tokens_per_full_pass)), ("full-cache passes", str(stats.full_passes))]
+    plain = versus_plain(d, mode)
+    if plain is not None:
+        rows.append(("vs plain decoding", f"{plain['speedup']:.2f}x ({plain['how']}: {plain['plain_ms_per_token']:.0f} "
+                                          f"ms/token against {plain['ms_per_token']:.0f})"
+                     if plain["how"] != "this is plain decoding" else "1.00x (this is plain decoding)"))
     if d["modes"]:
         rows.append(("full-cache passes per mode", modes_text(d["modes"])))
         rows.append(("predicted ms per token", estimates_text(d["estimates"])))

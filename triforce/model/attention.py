@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (see benchmarks in README)
+SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
 
 
 def _load_flash():

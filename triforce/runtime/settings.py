@@ -98,7 +98,7 @@ def run_config(args, sampling: str = "greedy", **derived) -> Settings:
     return make_settings(args, sampling, **derived)
 
 
-# Defaults from the sweeps in README ("Choosing the defaults"). On CPU every level reads the same
+# Defaults from the sweeps in docs/results/2026-11-23-cpu-epyc-2core.md ("Choosing the defaults"). On CPU every level reads the same
 # weights, so a middle pass costs the weights plus its budget of KV and the full pass the weights plus
 # the whole context: a bigger budget buys acceptance cheaply at long context (32K: 0.79 at 8,192 vs
 # 0.51 at 2,048) and short middle runs (gamma2 3) beat long ones; with the target drafting for itself a

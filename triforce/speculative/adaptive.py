@@ -5,7 +5,7 @@ Every mode is lossless on its own - what one full-cache pass commits is distribu
 target's autoregressive output, whichever proposer drafted it - so choosing the proposer afresh
 before each pass changes the speed and never the output distribution. Which mode is fastest is not
 knowable in advance: at 105K tokens on a 2-core CPU a 4-token verification costs 1.7x a 1-token
-pass and triforce lost to plain decoding (README, 2026-11-23), on a GPU streaming the KV the full
+pass and triforce lost to plain decoding (docs/results/2026-11-23-cpu-epyc-2core.md), on a GPU streaming the KV the full
 pass dwarfs the rest and triforce wins 2-3x, and acceptance moves with the text.
 
 So the generator times every pass (seconds against tokens fed, per level) and every round as a
