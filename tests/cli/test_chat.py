@@ -259,7 +259,7 @@ def test_interrupted_prefill_resumes_from_checkpoints(start, tmp_path, capsys, m
     monkeypatch.setattr(chat_book.kvfile.Checkpoints, "after", real_after)
     assert len(list((tmp_path / "cache").glob("*.partial/*.safetensors"))) == 2
     said = " ".join(capsys.readouterr().err.split())  # Ctrl-C says what the next start gets
-    assert "interrupted: 128 of" in said and "are kept; the next start on this book resumes from there" in said
+    assert "the prefill stopped: 128 of" in said and "are kept; the next start on this book resumes from there" in said
     resumed = start("--prefill-chunk", "64", stops=frozenset())
     err = " ".join(capsys.readouterr().err.split())
     assert "resuming the prefill from a checkpoint: 128 of" in err and "128 more from checkpoints" in err

