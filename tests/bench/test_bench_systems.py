@@ -57,7 +57,7 @@ def _pretend_cuda(session, graphs: bool):
     ([], "cpu", 1, False),
     (["--no-cuda-graphs"], "cuda", 1, False),
     (["--cuda-graphs"], "cuda", 2, True),
-    (["--cuda-graphs"], "cpu", 1, "--cuda-graphs needs a CUDA device"),
+    (["--cuda-graphs"], "cpu", 1, "Settings.cuda_graphs needs a CUDA device"),
 ])
 def test_cuda_graphs_are_on_by_default_on_one_gpu(tiny, flag, device, tp, expect):
     from triforce.cli import generate
