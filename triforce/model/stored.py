@@ -29,6 +29,7 @@ from .gguf_blocks import BLOCK, Blocks
 # 1.36 ms for 64 against 0.53 dense).
 PACKED_KERNEL_MAX_ROWS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N divisible by 16
 
 
 def _int4_kernels_available() -> bool:
@@ -55,7 +56,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("zeros", zeros.float().contiguous())
         self.kernel_dtype = dtype if dtype in KERNEL_DTYPES and _int4_kernels_available() else None
         if self.kernel_dtype is not None:
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+            # the kernel packs rows 16 at a time: pad with zero weights (scale 0, zero 0), cut after
+            pad = -self.out_features % KERNEL_ROW_MULTIPLE
+            codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes.to(torch.int32), scales, zeros))
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
             # (K' / 32, N, 2): the kernel's scales_and_zeros, in the activations' dtype
             self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1)
                                  .to(dtype).contiguous())
@@ -68,6 +72,7 @@ class PackedLinear(nn.Module):
         if self.repeat > 1:
             rows = torch.cat([rows] * self.repeat, dim=-1)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, BLOCK, self.scales_and_zeros)
+        out = out[:, :self.out_features]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
