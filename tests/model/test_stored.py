@@ -234,3 +234,43 @@ def test_gguf_path_loads_directly(tiny_gguf):
     model = load_model(path, torch.float32, weights="dequantized")
     assert isinstance(model.layers[0].mlp.w2, torch.nn.Linear)
     assert isinstance(load_model(path, torch.float32, weights="stored").layers[0].mlp.w2, PackedLinear)
+
+
+# --- a 16-bit KV cache under float32 compute ---------------------------------------------------------
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("retrieval", False), ("triforce", True)])
+def test_sixteen_bit_kv_keeps_every_mode_autoregressive(tiny_gguf, kv, mode, use_drafter):
+    """The cache stores 16 bits, attention widens them to float32; every mode still equals
+    autoregressive decoding over the same cache dtype, and the logits stay near float32 KV's."""
+    from triforce.model.kv_dtype import use_kv_dtype
+
+    path, _ = tiny_gguf
+    target = use_kv_dtype(load_gguf_model(path, torch.float32, stored=True), kv)
+    drafter = use_kv_dtype(load_gguf_model(path, torch.float32, stored=False), kv)
+    assert target.kv_shape().dtype == kv
+    ids = torch.randint(0, 48, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = GenerationConfig(max_new_tokens=30, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                           sink_tokens=4)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
+    assert result.tokens == reference.tokens
+    wide = load_gguf_model(path, torch.float32, stored=True)
+    x = torch.tensor(ids[:40])
+    narrow_logits = target(x, FullCache(target.kv_shape(), 64))
+    wide_logits = wide(x, FullCache(wide.kv_shape(), 64))
+    assert not torch.equal(narrow_logits, wide_logits)  # the cache really stored fewer bits
+    assert (narrow_logits - wide_logits).abs().max() <= 2e-2 * wide_logits.abs().max()
+
+
+def test_kv_dtype_rule():
+    from triforce.model.kv_dtype import kv_dtype_for, resolve_kv_dtype
+
+    assert kv_dtype_for("cpu", torch.bfloat16) == torch.bfloat16
+    assert kv_dtype_for("cpu", torch.float64) == torch.float64
+    assert kv_dtype_for("cuda", torch.float32) == torch.float32
+    assert kv_dtype_for("cpu", torch.float32) in (torch.float32, torch.float16, torch.bfloat16)
+    assert resolve_kv_dtype("same", "cpu", torch.float32) == torch.float32
+    assert resolve_kv_dtype("bfloat16", "cpu", torch.float32) == torch.bfloat16
+    with pytest.raises(UserError, match="unknown KV dtype"):
+        resolve_kv_dtype("int4", "cpu", torch.float32)
