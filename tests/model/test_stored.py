@@ -85,7 +85,7 @@ def test_bf16_kernel_stays_within_bf16_rounding():
 CFG = dict(hidden=64, heads=4, kv_heads=2, inter=96, layers=2, vocab=48)
 
 
-def write_tiny_gguf(path, seed=0, head_kind="Q8_0"):
+def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False):
     """A tiny llama GGUF: Q4_1 matrices, a Q8_0 token embedding tied to the head (SmolLM2's layout),
     float32 norms. Returns {GGUF name: Blocks or tensor} as written."""
     import gguf
@@ -106,6 +106,10 @@ def write_tiny_gguf(path, seed=0, head_kind="Q8_0"):
 
     def matrix(name, kind, rows, cols):
         blocks = random_blocks(kind, rows, cols, seed=len(written) + 100 * seed)
+        if dense:  # a type the packed kernel does not take (as Qwen's Q4_K): written as float16
+            w.add_tensor(name, blocks.dequantize(torch.float16).numpy())
+            written[name] = blocks.dequantize(torch.float16).double()
+            return
         w.add_tensor(name, encode_blocks(blocks), raw_dtype=gguf.GGMLQuantizationType[kind])
         written[name] = blocks
 
@@ -274,3 +278,18 @@ def test_kv_dtype_rule():
     assert resolve_kv_dtype("bfloat16", "cpu", torch.float32) == torch.bfloat16
     with pytest.raises(UserError, match="unknown KV dtype"):
         resolve_kv_dtype("int4", "cpu", torch.float32)
+
+
+def test_a_gguf_without_stored_types_loads_dense(tmp_path):
+    """Matrices of a type the kernel does not take are dequantized (gguf's own dequantizer), and
+    `auto` does not choose the stored path for a GGUF that is mostly such types."""
+    path = tmp_path / "dense.gguf"
+    written = write_tiny_gguf(path, dense=True)
+    assert GgufCheckpoint(path).stored_share() == 0.0
+    assert resolve_weights("auto", path, "cpu", torch.bfloat16) == "dequantized"
+    model = load_gguf_model(path, torch.float64, stored=True)
+    assert isinstance(model.layers[0].mlp.w2, torch.nn.Linear)
+    assert torch.equal(model.layers[0].mlp.w2.weight, written["blk.0.ffn_down.weight"])
+    mixed = tmp_path / "stored.gguf"
+    write_tiny_gguf(mixed)
+    assert GgufCheckpoint(mixed).stored_share() == 1.0

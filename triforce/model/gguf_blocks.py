@@ -137,6 +137,13 @@ class GgufCheckpoint:
         shape = tuple(int(n) for n in reversed(t.shape))
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # writable copy
 
+    def stored_share(self) -> float:
+        """The fraction of matrix weights in a type computed as stored (Q4_1, Q8_0): SmolLM2's GGUF
+        is all of them, Qwen's Q4_K_M none (those stay on the dense path)."""
+        sizes = {t.name: int(t.n_elements) for t in self.tensors.values() if len(t.shape) == 2}
+        stored = sum(n for name, n in sizes.items() if self.kind(name) in STORED_TYPES)
+        return stored / max(1, sum(sizes.values()))
+
     def config(self) -> ModelConfig:
         """The model's shape from the GGUF metadata (llama.*, qwen2.* keys)."""
         arch = self.field("general.architecture")

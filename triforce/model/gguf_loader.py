@@ -100,7 +100,31 @@ def resolve_weights(weights: str, folder: str | Path, device, dtype: torch.dtype
             raise UserError(f"weights=stored needs the CPU, one rank and a GGUF ({folder} has no recorded "
                             f"GGUF origin, or the device/ranks differ); use weights=dequantized")
         return weights
-    return "stored" if possible and stored_kernel_pays(dtype) else "dequantized"
+    pays = possible and stored_kernel_pays(dtype)
+    return "stored" if pays and stored_share(folder) >= MIN_STORED_SHARE else "dequantized"
+
+
+MIN_STORED_SHARE = 0.5  # below this most matrices would be dense anyway: the folder loads faster
+
+
+def stored_share(folder: str | Path) -> float:
+    """The share of the model's matrix weights the packed kernel can take, from the folder's marker
+    (prepare records it) or, for older folders and GGUF paths, from the GGUF's tensor table."""
+    folder = Path(folder)
+    if folder.is_dir():
+        try:
+            return float(json.loads((folder / MARKER).read_text())["gguf_stored_share"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        folder = gguf_origin(folder)
+    return open_checkpoint(str(folder)).stored_share()
+
+
+@functools.lru_cache(maxsize=2)
+def open_checkpoint(path: str) -> GgufCheckpoint:
+    """A parsed GGUF (its metadata takes seconds to read for a large vocabulary), kept for the load
+    that usually follows the question of whether to load it."""
+    return GgufCheckpoint(path)
 
 
 def _reverse_permute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -151,7 +175,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, stored
                     cfg: ModelConfig | None = None, max_len: int | None = None, progress=None) -> Transformer:
     """The model of a GGUF file on the CPU; `cfg` (e.g. the prepared folder's, or a RoPE scaling)
     overrides the GGUF's metadata."""
-    ckpt = GgufCheckpoint(path)
+    ckpt = open_checkpoint(str(path))
     cfg = cfg or ckpt.config()
     src = _Source(ckpt, cfg, dtype, stored)
     with torch.device("meta"):
