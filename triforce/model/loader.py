@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
 from .errors import UserError
+from .gguf_loader import gguf_origin, load_gguf_model, resolve_weights
 from .rope import Rotary
 from .tensor_parallel import check_shardable, shard
 from .transformer import Transformer
@@ -87,9 +88,20 @@ def _layer_tensors(reader: CheckpointReader, cfg: ModelConfig, i: int, rank: int
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                cfg: ModelConfig | None = None, max_len: int | None = None, rank: int = 0,
-               world_size: int = 1, progress=None) -> Transformer:
-    """Build the model from an HF folder. `cfg` overrides config.json (e.g. a RoPE scaling)."""
+               world_size: int = 1, progress=None, weights: str = "auto") -> Transformer:
+    """Build the model from an HF folder or a GGUF file. `cfg` overrides config.json (e.g. a RoPE
+    scaling). `weights`: "stored" computes with the GGUF's quantized blocks (a GGUF file, or the one
+    a prepared folder was made from; CPU only), "dequantized" with dense weights in `dtype`, "auto"
+    the stored ones where they are known and measured faster (model/gguf_loader.py)."""
     folder = Path(folder)
+    kind = resolve_weights(weights, folder, device, dtype, world_size)
+    if folder.is_file() or kind == "stored":
+        if torch.device(device).type != "cpu" or world_size != 1:
+            raise UserError(f"loading a GGUF ({folder}) is for one CPU rank; convert it with triforce-prepare")
+        source = folder if folder.is_file() else gguf_origin(folder)
+        if cfg is None and folder.is_dir():
+            cfg = ModelConfig.from_folder(folder)
+        return load_gguf_model(source, dtype, kind == "stored", cfg, max_len, progress)
     cfg = cfg or ModelConfig.from_folder(folder)
     check_shardable(cfg, world_size)
     reader = CheckpointReader(folder)

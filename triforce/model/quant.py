@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import UserError
+from .stored import PackedLinear
 
 LOWER_WEIGHTS = ("same", "int8")
 # torch's int8 kernel is a matrix-vector product per row: on this project's CPU (bf16, 1 thread, a
@@ -113,8 +114,8 @@ def lower_weights_for(model: nn.Module, kind: str) -> nn.Module | None:
     """The model the proposing levels run for `--lower-weights kind`; None means the model itself."""
     if kind not in LOWER_WEIGHTS:
         raise UserError(f"unknown Settings.lower_weights '{kind}': choose one of {', '.join(LOWER_WEIGHTS)}")
-    if kind == "same":
-        return None
+    if kind == "same" or any(isinstance(m, PackedLinear) for m in model.modules()):
+        return None  # weights as stored (4-8 bits) already read fewer bytes than an int8 twin would
     if model.embed.weight.device.type != "cpu":
         raise UserError("Settings.lower_weights int8 is for the CPU path (torch's fused int8 kernel is CPU-only); "
                         "use Settings.lower_weights same on a GPU")

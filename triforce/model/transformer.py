@@ -81,8 +81,10 @@ class Transformer(nn.Module):
 
     def kv_shape(self) -> KVShape:
         p = self.embed.weight
+        # the cache may store fewer bits than the model computes with (model/kv_dtype.py)
+        dtype = getattr(self, "kv_dtype", None) or p.dtype
         return KVShape(self.cfg.num_layers, self.layers[0].attention.n_kv_heads, self.cfg.head_dim,
-                       p.dtype, p.device)
+                       dtype, p.device)
 
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """tokens (T,) -> logits (T, vocab), or (1, vocab) for the last token only."""

@@ -1,0 +1,295 @@
+"""Weights as stored: GGUF Q4_1/Q8_0 blocks computed through torch's packed int4 kernel.
+
+Every checkpoint here is built in memory from random blocks (gguf's writer, no downloads). The packed
+layers must be the GGUF's own weights (float64 dequantization of the blocks) to float accumulation
+order, the loader must undo llama.cpp's q/k row interleave, and greedy decoding of every mode on the
+stored model must equal its autoregressive decoding."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triforce.model.errors import UserError
+from triforce.model.gguf_blocks import Blocks, GgufCheckpoint, decode_q4_1, decode_q8_0, encode_blocks
+from triforce.model.gguf_loader import gguf_origin, load_gguf_model, resolve_weights, weights_summary
+from triforce.model.loader import load_model
+from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, packed_from_blocks
+from triforce.speculative import GenerationConfig, Models, generate_ids
+from triforce.speculative.caches import FullCache
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> Blocks:
+    """Codes over their whole range and f16 scales of a realistic size (d ~ 1e-3..1e-2, m ~ -8d)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, cols // 32, generator=g) * 0.01 + 0.001).half().float()
+    if kind == "Q4_1":
+        q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+        m = (-8 * d * (0.5 + torch.rand(d.shape, generator=g))).half().float()
+        return Blocks(kind, q, d, m)
+    return Blocks(kind, torch.randint(-128, 128, (rows, cols), generator=g).to(torch.int8), d, None)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_blocks_round_trip_through_gguf_bytes(kind):
+    blocks = random_blocks(kind, 48, 96, seed=1)
+    decode = decode_q4_1 if kind == "Q4_1" else decode_q8_0
+    back = decode(encode_blocks(blocks), 48, 96)
+    assert torch.equal(back.q.to(torch.int16), blocks.q.to(torch.int16)) and torch.equal(back.d, blocks.d)
+    assert back.m is None if kind == "Q8_0" else torch.equal(back.m, blocks.m)
+    assert back.stored_bytes == 48 * 3 * (20 if kind == "Q4_1" else 34)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, PACKED_KERNEL_MAX_ROWS + 3])
+def test_packed_layer_is_the_gguf_matrix(kind, rows):
+    """float32 through the kernel (few rows) or a dequantized GEMM (many) equals x . W^T in float64
+    with W dequantized from the blocks: the only difference is the order of float32 additions."""
+    blocks = random_blocks(kind, 64, 96, seed=2)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    layer = packed_from_blocks(blocks, torch.float32, bias)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(4))
+    expected = F.linear(x.double(), blocks.dequantize(), bias.double())
+    got = layer(x).double()
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 2e-6 * scale
+    # and the dequantized form is the GGUF's weights exactly (f16 scales widen to float32 exactly)
+    assert torch.equal(layer.dequantized(torch.float64), blocks.dequantize())
+    assert torch.equal(layer.dequantized(torch.float32).double(), blocks.dequantize())
+
+
+def test_q8_0_splits_into_int4_halves_exactly():
+    """-128 and 127, the extremes, and every code between survive the hi/lo split."""
+    q = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(8, 32)
+    blocks = Blocks("Q8_0", q, torch.full((8, 1), 0.5), None)
+    layer = packed_from_blocks(blocks, torch.float32)
+    assert isinstance(layer, PackedLinear) and layer.repeat == 2
+    assert torch.equal(layer.dequantized(torch.float64), q.double() * 0.5)
+    # one-hot rows read single weights back through the kernel itself
+    eye = torch.eye(32)
+    assert torch.equal(layer(eye[:4]).t(), (q.float() * 0.5)[:, :4])
+
+
+def test_bf16_kernel_stays_within_bf16_rounding():
+    blocks = random_blocks("Q4_1", 64, 96, seed=5)
+    layer = packed_from_blocks(blocks, torch.bfloat16)
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(6))
+    expected = F.linear(x.bfloat16().double(), blocks.dequantize())
+    assert (layer(x.bfloat16()).double() - expected).abs().max() <= 2 ** -6 * expected.abs().max()
+
+
+# --- a whole model from a GGUF file built here ------------------------------------------------------
+
+CFG = dict(hidden=64, heads=4, kv_heads=2, inter=96, layers=2, vocab=48)
+
+
+def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False):
+    """A tiny llama GGUF: Q4_1 matrices, a Q8_0 token embedding tied to the head (SmolLM2's layout),
+    float32 norms. Returns {GGUF name: Blocks or tensor} as written."""
+    import gguf
+
+    h, inter = CFG["hidden"], CFG["inter"]
+    head_dim = h // CFG["heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(CFG["layers"])
+    w.add_context_length(512)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(CFG["heads"])
+    w.add_head_count_kv(CFG["kv_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    written = {}
+    g = torch.Generator().manual_seed(seed)
+
+    def matrix(name, kind, rows, cols):
+        blocks = random_blocks(kind, rows, cols, seed=len(written) + 100 * seed)
+        if dense:  # a type the packed kernel does not take (as Qwen's Q4_K): written as float16
+            w.add_tensor(name, blocks.dequantize(torch.float16).numpy())
+            written[name] = blocks.dequantize(torch.float16).double()
+            return
+        w.add_tensor(name, encode_blocks(blocks), raw_dtype=gguf.GGMLQuantizationType[kind])
+        written[name] = blocks
+
+    def vector(name, n):
+        value = 1 + 0.1 * torch.randn(n, generator=g)
+        w.add_tensor(name, value.numpy())
+        written[name] = value
+
+    matrix("token_embd.weight", head_kind, CFG["vocab"], h)
+    vector("output_norm.weight", h)
+    for i in range(CFG["layers"]):
+        p = f"blk.{i}."
+        vector(p + "attn_norm.weight", h)
+        vector(p + "ffn_norm.weight", h)
+        matrix(p + "attn_q.weight", "Q4_1", CFG["heads"] * head_dim, h)
+        matrix(p + "attn_k.weight", "Q4_1", CFG["kv_heads"] * head_dim, h)
+        matrix(p + "attn_v.weight", "Q4_1", CFG["kv_heads"] * head_dim, h)
+        matrix(p + "attn_output.weight", "Q4_1", h, h)
+        matrix(p + "ffn_gate.weight", "Q4_1", inter, h)
+        matrix(p + "ffn_up.weight", "Q4_1", inter, h)
+        matrix(p + "ffn_down.weight", "Q4_1", h, inter)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_tiny_gguf(path)
+
+
+def test_config_and_q_k_rows_follow_the_hf_layout(tiny_gguf):
+    """llama.cpp interleaves the rotary halves of each q/k head; the loader puts rows back in HF
+    order: row (head, half, i) of ours is the GGUF's row (head, i, half)."""
+    path, written = tiny_gguf
+    cfg = GgufCheckpoint(path).config()
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers, cfg.vocab_size) == (64, 4, 2, 2, 48)
+    assert cfg.tie_word_embeddings
+    model = load_gguf_model(path, torch.float64, stored=True)
+    wqkv = model.layers[1].attention.wqkv.dequantized(torch.float64)
+    q = written["blk.1.attn_q.weight"].dequantize()
+    k = written["blk.1.attn_k.weight"].dequantize()
+    head_dim = 16
+    ours_q = wqkv[:64].view(4, 2, head_dim // 2, 64)
+    assert torch.equal(ours_q, q.view(4, head_dim // 2, 2, 64).transpose(1, 2))
+    assert torch.equal(wqkv[64:96].view(2, 2, 8, 64), k.view(2, 8, 2, 64).transpose(1, 2))
+    assert torch.equal(wqkv[96:], written["blk.1.attn_v.weight"].dequantize())
+
+
+def test_stored_model_logits_equal_the_dense_gguf_model(tiny_gguf):
+    """float32 packed (kernel for a few rows, dequantized GEMM for more) against float64 dense."""
+    path, _ = tiny_gguf
+    stored = load_gguf_model(path, torch.float32, stored=True)
+    dense = load_gguf_model(path, torch.float64, stored=False)
+    assert isinstance(stored.lm_head, PackedLinear) and stored.lm_head.kind == "Q8_0"
+    assert isinstance(dense.layers[0].mlp.w13, torch.nn.Linear)
+    for n in (3, PACKED_KERNEL_MAX_ROWS + 8):
+        ids = torch.arange(n) % 48
+        a = stored(ids, FullCache(stored.kv_shape(), 64)).double()
+        b = dense(ids, FullCache(dense.kv_shape(), 64))
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_weights_summary_counts_the_stored_bytes(tiny_gguf):
+    path, written = tiny_gguf
+    stored = weights_summary(load_gguf_model(path, torch.bfloat16, stored=True))
+    dense = weights_summary(load_gguf_model(path, torch.bfloat16, stored=False))
+    assert stored["format"] == "gguf Q4_1+Q8_0 packed int4" and dense["format"] == "bfloat16"
+    weights = sum(b.q.numel() for b in written.values() if isinstance(b, Blocks))
+    assert dense["bytes_per_pass"] >= 2 * weights
+    # codes: 4 bits per weight (8 for Q8_0's two halves); bf16 scale and zero per 32
+    assert weights * 0.5 < stored["bytes_per_pass"] < weights * 0.75
+
+
+@pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("retrieval", False), ("triforce", True),
+                                              ("triforce", False)])
+def test_greedy_on_stored_weights_is_autoregressive(tiny_gguf, mode, use_drafter):
+    path, _ = tiny_gguf
+    target = load_gguf_model(path, torch.float32, stored=True)
+    drafter = load_gguf_model(path, torch.float32, stored=False)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    ids = torch.randint(0, 48, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = GenerationConfig(max_new_tokens=40, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                           sink_tokens=4)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
+    assert result.tokens == reference.tokens
+    assert result.stats.full_passes < 39
+
+
+def test_prepared_folder_finds_its_gguf_and_loads_either_way(tiny_gguf, tmp_path):
+    """A folder whose marker records the GGUF (and its SHA-256) loads stored; a wrong hash or no
+    marker falls back to the folder's own weights, and weights=stored then says why not."""
+    import hashlib
+    import shutil
+
+    path, _ = tiny_gguf
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    cfg = GgufCheckpoint(path).config()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 48, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": True}))
+    shutil.copy(path, tmp_path / "model.gguf")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    (folder / ".prepared.json").write_text(json.dumps({"source_sha256": sha, "source_gguf": "../model.gguf"}))
+    assert gguf_origin(folder) == folder / "../model.gguf"
+    model = load_model(folder, torch.float32, weights="stored")
+    assert isinstance(model.layers[0].attention.wo, PackedLinear)
+    assert resolve_weights("dequantized", folder, "cpu", torch.bfloat16) == "dequantized"
+    (folder / ".prepared.json").write_text(json.dumps({"source_sha256": "0" * 64, "source_gguf": "../model.gguf"}))
+    assert gguf_origin(folder) is None
+    assert resolve_weights("auto", folder, "cpu", torch.bfloat16) == "dequantized"
+    with pytest.raises(UserError, match="weights=stored needs"):
+        resolve_weights("stored", folder, "cpu", torch.float32)
+
+
+def test_gguf_path_loads_directly(tiny_gguf):
+    path, _ = tiny_gguf
+    model = load_model(path, torch.float32, weights="dequantized")
+    assert isinstance(model.layers[0].mlp.w2, torch.nn.Linear)
+    assert isinstance(load_model(path, torch.float32, weights="stored").layers[0].mlp.w2, PackedLinear)
+
+
+# --- a 16-bit KV cache under float32 compute ---------------------------------------------------------
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("retrieval", False), ("triforce", True)])
+def test_sixteen_bit_kv_keeps_every_mode_autoregressive(tiny_gguf, kv, mode, use_drafter):
+    """The cache stores 16 bits, attention widens them to float32; every mode still equals
+    autoregressive decoding over the same cache dtype, and the logits stay near float32 KV's."""
+    from triforce.model.kv_dtype import use_kv_dtype
+
+    path, _ = tiny_gguf
+    target = use_kv_dtype(load_gguf_model(path, torch.float32, stored=True), kv)
+    drafter = use_kv_dtype(load_gguf_model(path, torch.float32, stored=False), kv)
+    assert target.kv_shape().dtype == kv
+    ids = torch.randint(0, 48, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = GenerationConfig(max_new_tokens=30, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                           sink_tokens=4)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
+    assert result.tokens == reference.tokens
+    wide = load_gguf_model(path, torch.float32, stored=True)
+    x = torch.tensor(ids[:40])
+    narrow_logits = target(x, FullCache(target.kv_shape(), 64))
+    wide_logits = wide(x, FullCache(wide.kv_shape(), 64))
+    assert not torch.equal(narrow_logits, wide_logits)  # the cache really stored fewer bits
+    assert (narrow_logits - wide_logits).abs().max() <= 2e-2 * wide_logits.abs().max()
+
+
+def test_kv_dtype_rule():
+    from triforce.model.kv_dtype import kv_dtype_for, resolve_kv_dtype
+
+    assert kv_dtype_for("cpu", torch.bfloat16) == torch.bfloat16
+    assert kv_dtype_for("cpu", torch.float64) == torch.float64
+    assert kv_dtype_for("cuda", torch.float32) == torch.float32
+    assert kv_dtype_for("cpu", torch.float32) in (torch.float32, torch.float16, torch.bfloat16)
+    assert resolve_kv_dtype("same", "cpu", torch.float32) == torch.float32
+    assert resolve_kv_dtype("bfloat16", "cpu", torch.float32) == torch.bfloat16
+    with pytest.raises(UserError, match="unknown KV dtype"):
+        resolve_kv_dtype("int4", "cpu", torch.float32)
+
+
+def test_a_gguf_without_stored_types_loads_dense(tmp_path):
+    """Matrices of a type the kernel does not take are dequantized (gguf's own dequantizer), and
+    `auto` does not choose the stored path for a GGUF that is mostly such types."""
+    path = tmp_path / "dense.gguf"
+    written = write_tiny_gguf(path, dense=True)
+    assert GgufCheckpoint(path).stored_share() == 0.0
+    assert resolve_weights("auto", path, "cpu", torch.bfloat16) == "dequantized"
+    model = load_gguf_model(path, torch.float64, stored=True)
+    assert isinstance(model.layers[0].mlp.w2, torch.nn.Linear)
+    assert torch.equal(model.layers[0].mlp.w2.weight, written["blk.0.ffn_down.weight"])
+    mixed = tmp_path / "stored.gguf"
+    write_tiny_gguf(mixed)
+    assert GgufCheckpoint(mixed).stored_share() == 1.0

@@ -1,0 +1,233 @@
+"""Build the model from a GGUF file, its matrices packed as stored (weights="stored") or dense.
+
+A folder made by triforce-prepare records the GGUF it was dequantized from (.prepared.json,
+"source_gguf" and "source_sha256"); `gguf_origin` finds that file, so the same folder loads either
+way. Which way is the default is measured, once per dtype, by `stored_kernel_pays`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .errors import UserError
+from .gguf_blocks import STORED_TYPES, GgufCheckpoint
+from .rope import Rotary
+from .stored import PackedLinear, _int4_kernels_available, concat_blocks, packed_from_blocks
+from .transformer import Transformer
+
+WEIGHTS = ("auto", "stored", "dequantized")
+MARKER = ".prepared.json"
+
+
+def gguf_origin(folder: str | Path) -> Path | None:
+    """The GGUF a prepared folder was dequantized from, when it is still there and its SHA-256 is
+    the one recorded: else None (the folder's own safetensors are then the model)."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    recorded = meta.get("source_gguf")  # absolute, or relative to the folder
+    candidates = [folder / recorded] if recorded else []
+    candidates.append(folder.parent / ".cache" / f"{folder.name}.gguf")  # prepare's default cache
+    for path in candidates:
+        if path.is_file() and _sha256(path) == meta.get("source_sha256"):
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_cached(path: str, size: int, mtime: float) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    st = path.stat()
+    return _sha256_cached(str(path), st.st_size, st.st_mtime)
+
+
+@functools.lru_cache(maxsize=None)
+def stored_kernel_pays(dtype: torch.dtype) -> bool:
+    """True when the packed int4 kernel beats a dense matmul for one row in `dtype` on this CPU,
+    timed on a matrix larger than the last-level cache (both read from memory, as a decode step
+    does). torch's fast int4 path is bf16 (avx512/avx2); its float32 path is a slow reference."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _int4_kernels_available():
+        return False
+    rows, cols = 32768, 1024  # 64 MB of float32, 32 MB of bf16, 16 MB of int4 codes
+    dense = torch.full((rows, cols), 0.01, dtype=dtype)
+    codes = torch.full((rows, cols), 5, dtype=torch.int32)  # values do not change the kernel's speed
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_and_zeros = torch.full((cols // 32, rows, 2), 0.01, dtype=dtype)
+    x = torch.ones(1, cols, dtype=dtype)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    kernel = best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros))
+    plain = best(lambda: torch.nn.functional.linear(x, dense))
+    return kernel < 0.7 * plain
+
+
+def resolve_weights(weights: str, folder: str | Path, device, dtype: torch.dtype, world_size: int = 1) -> str:
+    """"stored" or "dequantized" for a load: `auto` is stored on CPU, one rank, a GGUF origin known
+    and the packed kernel measured faster in `dtype`; "stored" where that cannot hold is an error."""
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown weights '{weights}': choose one of {', '.join(WEIGHTS)}")
+    if weights == "dequantized":
+        return weights
+    is_gguf = Path(folder).is_file()
+    # cheapest first: a folder without a marker answers at once, a GGUF's hash takes ~3 ms per MB
+    possible = torch.device(device).type == "cpu" and world_size == 1 and (is_gguf or gguf_origin(folder) is not None)
+    if weights == "stored":
+        if not possible:
+            raise UserError(f"weights=stored needs the CPU, one rank and a GGUF ({folder} has no recorded "
+                            f"GGUF origin, or the device/ranks differ); use weights=dequantized")
+        return weights
+    pays = possible and stored_kernel_pays(dtype)
+    return "stored" if pays and stored_share(folder) >= MIN_STORED_SHARE else "dequantized"
+
+
+MIN_STORED_SHARE = 0.5  # below this most matrices would be dense anyway: the folder loads faster
+
+
+def stored_share(folder: str | Path) -> float:
+    """The share of the model's matrix weights the packed kernel can take, from the folder's marker
+    (prepare records it) or, for older folders and GGUF paths, from the GGUF's tensor table."""
+    folder = Path(folder)
+    if folder.is_dir():
+        try:
+            return float(json.loads((folder / MARKER).read_text())["gguf_stored_share"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        folder = gguf_origin(folder)
+    return open_checkpoint(str(folder)).stored_share()
+
+
+@functools.lru_cache(maxsize=2)
+def open_checkpoint(path: str) -> GgufCheckpoint:
+    """A parsed GGUF (its metadata takes seconds to read for a large vocabulary), kept for the load
+    that usually follows the question of whether to load it."""
+    return GgufCheckpoint(path)
+
+
+def _reverse_permute_rows(rows: int, heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's rotary halves in q/k rows; this is the row order
+    that undoes it (as transformers' GGUF loader does for llama)."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+class _Source:
+    """Matrices of one GGUF by our names, each packed or dense as asked."""
+
+    def __init__(self, ckpt: GgufCheckpoint, cfg: ModelConfig, dtype: torch.dtype, stored: bool):
+        self.ckpt, self.cfg, self.dtype, self.stored = ckpt, cfg, dtype, stored
+
+    def blocks(self, name: str):
+        blocks = self.ckpt.blocks(name)
+        if self.cfg.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
+            blocks = blocks.rows(_reverse_permute_rows(blocks.shape[0], heads))
+        return blocks
+
+    def dense(self, name: str) -> torch.Tensor:
+        if self.ckpt.kind(name) in STORED_TYPES:
+            return self.blocks(name).dequantize(torch.float32)
+        w = self.ckpt.dense(name)
+        if self.cfg.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
+            w = w[_reverse_permute_rows(w.shape[0], heads)]
+        return w
+
+    def linear(self, names: list[str], bias: torch.Tensor | None) -> nn.Module:
+        """One (fused) projection: packed when every part is of one stored type, else dense."""
+        kinds = {self.ckpt.kind(n) for n in names}
+        if self.stored and len(kinds) == 1 and kinds <= set(STORED_TYPES):
+            return packed_from_blocks(concat_blocks([self.blocks(n) for n in names]), self.dtype, bias)
+        weight = torch.cat([self.dense(n) for n in names]).to(self.dtype)
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.to(self.dtype), requires_grad=False)
+        return layer
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.ckpt.dense(name).to(self.dtype)
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, stored: bool = True,
+                    cfg: ModelConfig | None = None, max_len: int | None = None, progress=None) -> Transformer:
+    """The model of a GGUF file on the CPU; `cfg` (e.g. the prepared folder's, or a RoPE scaling)
+    overrides the GGUF's metadata."""
+    ckpt = open_checkpoint(str(path))
+    cfg = cfg or ckpt.config()
+    src = _Source(ckpt, cfg, dtype, stored)
+    with torch.device("meta"):
+        model = Transformer(cfg, max_len=max_len)
+    model.embed.weight = nn.Parameter(src.dense("token_embd.weight").to(dtype), requires_grad=False)
+    model.norm.weight = nn.Parameter(src.vector("output_norm.weight"), requires_grad=False)
+    for i, block in enumerate(model.layers):
+        _load_block(src, block, f"blk.{i}.")
+        if progress is not None:
+            progress(i + 1, cfg.num_layers)
+    # tied: the head reads the embedding's blocks (packed), while lookups read the dense rows
+    model.lm_head = src.linear(["output.weight" if ckpt.has("output.weight") else "token_embd.weight"], None)
+    model.rotary = Rotary(cfg, max_len)
+    model.weights_origin = str(path)
+    return model.eval().requires_grad_(False)
+
+
+def _load_block(src: _Source, block: nn.Module, hf: str) -> None:
+    cfg = src.cfg
+    block.attention_norm.weight = nn.Parameter(src.vector(hf + "attn_norm.weight"), requires_grad=False)
+    block.mlp_norm.weight = nn.Parameter(src.vector(hf + "ffn_norm.weight"), requires_grad=False)
+    qkv_bias = torch.cat([src.vector(hf + f"attn_{p}.bias") for p in "qkv"]) if cfg.qkv_bias else None
+    block.attention.wqkv = src.linear([hf + f"attn_{p}.weight" for p in "qkv"], qkv_bias)
+    o_bias = src.vector(hf + "attn_output.bias") if cfg.o_bias else None
+    block.attention.wo = src.linear([hf + "attn_output.weight"], o_bias)
+    block.mlp.w13 = src.linear([hf + "ffn_gate.weight", hf + "ffn_up.weight"], None)
+    block.mlp.w2 = src.linear([hf + "ffn_down.weight"], None)
+
+
+def weights_summary(model: nn.Module) -> dict:
+    """What the statistics show about the weights: their format ("gguf Q4_1+Q8_0 packed int4" or the
+    dense dtype) and the bytes of weights one decode pass reads (matrices, one embedding row, norms)."""
+    packed, kinds, dense_bytes, dense_dtypes = 0, set(), 0, set()
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            packed += module.bytes_per_row_pass()
+            kinds.add(module.kind)
+        elif isinstance(module, nn.Linear):
+            dense_bytes += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            dense_dtypes.add(str(module.weight.dtype).removeprefix("torch."))
+    embed = model.embed.weight
+    head_tied_dense = model.lm_head is None
+    small = embed.shape[1] * embed.element_size() * (1 if not head_tied_dense else 0)
+    small += sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
+    if head_tied_dense:
+        dense_bytes += embed.numel() * embed.element_size()
+        dense_dtypes.add(str(embed.dtype).removeprefix("torch."))
+    parts = []
+    if kinds:
+        parts.append(f"gguf {'+'.join(sorted(kinds))} packed int4")
+    if dense_dtypes:
+        parts.append("+".join(sorted(dense_dtypes)))
+    return {"format": ", ".join(parts) + (" dense" if dense_dtypes and kinds else ""),
+            "bytes_per_pass": packed + dense_bytes + small,
+            "origin": getattr(model, "weights_origin", None)}

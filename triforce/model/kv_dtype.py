@@ -1,0 +1,92 @@
+"""How many bits the KV cache stores, apart from the dtype the model computes in.
+
+At long context a decode step on CPU is bound by reading the KV cache (SmolLM2 at 16K: 755 MB of
+float32 KV against 538 MB of float32 weights), so a float32 model may keep its cache in 16 bits and
+widen one KV head at a time inside attention (model/attention.py): memory sees half the bytes, the
+float32 copy of a head lives in cache while the GEMM reads it. Whether that pays depends on how cheaply
+the CPU widens 16-bit values, so it is measured, once per process, like the stored-weights kernel.
+Half precision compute keeps its own dtype for the cache, as before.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from torch import nn
+
+KV_DTYPES = {"auto": None, "same": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def sixteen_bit_kind() -> torch.dtype:
+    """float16 where the CPU converts it in hardware (F16C: one instruction per 8 values) and keeps
+    3 more mantissa bits than bfloat16; bfloat16 (a shift) elsewhere."""
+    return torch.float16 if "f16c" in cpu_flags() else torch.bfloat16
+
+
+def sixteen_bit_kv_pays(kind: torch.dtype = torch.float16, slots: int = 16384) -> bool:
+    return sixteen_bit_kv_speedup(kind, slots) > 1 / 0.85
+
+
+@functools.lru_cache(maxsize=None)
+def sixteen_bit_kv_speedup(kind: torch.dtype = torch.float16, slots: int = 16384) -> float:
+    """How much faster float32 attention of one query over a 16-bit cache (widened per head) beats the same
+    over a float32 cache, timed on 8 layers of SmolLM2's KV shape at `slots` tokens (120 MB of float32,
+    more than any last-level cache), alternating the two, best of 3."""
+    from .attention import attend
+
+    layers, heads, dim = 8, 3, 64
+    q = torch.ones(1, 3 * heads, dim)
+    caches = {dt: torch.full((2, layers, heads, slots, dim), 0.01, dtype=dt) for dt in (torch.float32, kind)}
+
+    def step(cache):
+        for layer in range(layers):
+            attend(q, cache[0, layer], cache[1, layer])
+
+    best = {dt: float("inf") for dt in caches}
+    for dt, cache in caches.items():
+        step(cache)  # warm-up
+    for _ in range(3):
+        for dt, cache in caches.items():
+            start = time.perf_counter()
+            step(cache)
+            best[dt] = min(best[dt], time.perf_counter() - start)
+    return best[torch.float32] / best[kind]
+
+
+def kv_dtype_for(device, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a KV cache stores for a model computing in `compute_dtype` on `device`: 16 bits for
+    float32 on a CPU where that measures faster, else the compute dtype (float64 tests stay exact)."""
+    if torch.device(device).type != "cpu" or compute_dtype != torch.float32:
+        return compute_dtype
+    kind = sixteen_bit_kind()
+    return kind if sixteen_bit_kv_pays(kind) else compute_dtype
+
+
+def resolve_kv_dtype(name: str, device, compute_dtype: torch.dtype) -> torch.dtype:
+    """--kv-dtype NAME: auto (kv_dtype_for), same (the compute dtype), or a dtype name."""
+    if name not in KV_DTYPES:
+        from .errors import UserError
+        raise UserError(f"unknown KV dtype '{name}': choose one of {', '.join(KV_DTYPES)}")
+    if name == "auto":
+        return kv_dtype_for(device, compute_dtype)
+    return KV_DTYPES[name] or compute_dtype
+
+
+def use_kv_dtype(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """Make every cache built from `model.kv_shape()` store `dtype` (None: the model's own dtype).
+    Set it before building caches: a cache keeps the dtype it was allocated with."""
+    model.kv_dtype = dtype
+    return model

@@ -1,0 +1,118 @@
+"""Compute with a GGUF's weights as stored: 4- and 8-bit blocks, dequantized inside torch's packed
+int4 matmul (`_weight_int4pack_mm_for_cpu`), so a one-token pass reads ~4.5 bits per weight where a
+dequantized float32 folder reads 32.
+
+The kernel computes with groups of 32 weights along K, each w = (code - 8) * scale + zero, code in
+[0, 15] (checked against float64 in tests/model/test_stored.py). GGUF types map onto it exactly:
+
+    Q4_1  w = d * q + m            -> code q, scale d, zero m + 8d
+    Q8_0  w = d * q, q in [-128,127] -> q = 16 * hi + lo with hi in [-8, 7], lo in [0, 15]: two int4
+          matrices side by side along K, [hi + 8 | lo] with scales [16d | d] and zeros [0 | 8d], and
+          the input repeated, [x | x]. Every partial weight is a small integer times d: exact.
+
+With float32 scales (f16 d and m widen exactly) this is the GGUF's model to float accumulation order;
+with bfloat16 activations the kernel also takes bfloat16 scales, the same rounding a bf16 folder
+applies to each weight. torch's fast path is the bf16 one (on avx512_bf16, 1 thread: 0.77 ms for
+SmolLM2's 49152x576 head against 2.6 ms dense bf16; the float32 path is a slow reference, 42 ms
+against 9 ms dense float32), so `resolve_weights` measures before choosing it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gguf_blocks import BLOCK, Blocks
+
+# Above this many rows (prefill, window refills) the weights are dequantized for one dense GEMM:
+# the packed kernel is a matrix-vector product per row (bf16, 1 thread, 3072x576: 0.05 ms for 1 row,
+# 1.36 ms for 64 against 0.53 dense).
+PACKED_KERNEL_MAX_ROWS = 16
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N divisible by 16
+
+
+def _int4_kernels_available() -> bool:
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W in int4 groups of 32 (code, scale, zero), as the GGUF stores it.
+
+    `repeat` is how many times x is laid side by side along K (2 for Q8_0's hi/lo halves)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int,
+                 dtype: torch.dtype, bias: torch.Tensor | None = None, kind: str = "Q4_1"):
+        super().__init__()
+        self.kind, self.repeat = kind, repeat
+        self.out_features, self.packed_k = codes.shape
+        self.in_features = self.packed_k // repeat
+        self.stored_bytes = 0  # set by the loader: the GGUF bytes of this matrix
+        # our own nibble pairs, for dequantizing (the kernel's packed layout is its own business)
+        pairs = codes.to(torch.uint8).view(self.out_features, -1, 2)
+        self.register_buffer("codes", pairs[..., 0] | (pairs[..., 1] << 4))
+        self.register_buffer("scales", scales.float().contiguous())  # (N, K' / 32), exact f16 values
+        self.register_buffer("zeros", zeros.float().contiguous())
+        self.kernel_dtype = dtype if dtype in KERNEL_DTYPES and _int4_kernels_available() else None
+        if self.kernel_dtype is not None:
+            # the kernel packs rows 16 at a time: pad with zero weights (scale 0, zero 0), cut after
+            pad = -self.out_features % KERNEL_ROW_MULTIPLE
+            codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes.to(torch.int32), scales, zeros))
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            # (K' / 32, N, 2): the kernel's scales_and_zeros, in the activations' dtype
+            self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1)
+                                 .to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > PACKED_KERNEL_MAX_ROWS or x.dtype != self.kernel_dtype or not x.device.type == "cpu":
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        if self.repeat > 1:
+            rows = torch.cat([rows] * self.repeat, dim=-1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, BLOCK, self.scales_and_zeros)
+        out = out[:, :self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W (N, K) in `dtype`: (code - 8) * scale + zero per group in float32 (float64 for float64),
+        the hi/lo halves of Q8_0 summed (exact: both are small integers times d)."""
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        codes = torch.stack([self.codes & 15, self.codes >> 4], dim=-1).view(self.out_features, -1, BLOCK)
+        w = (codes.to(exact) - 8) * self.scales.to(exact)[..., None] + self.zeros.to(exact)[..., None]
+        w = w.view(self.out_features, self.repeat, self.in_features).sum(dim=1)
+        return w.to(dtype)
+
+    def bytes_per_row_pass(self) -> int:
+        """Bytes of weights a pass of a few rows reads: the codes, scales and zeros."""
+        elem = self.scales_and_zeros.element_size() if self.kernel_dtype is not None else 4
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.codes.numel() + 2 * self.scales.numel() * elem + bias
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={self.kernel_dtype}"
+
+
+def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | None = None) -> PackedLinear:
+    """The exact int4-group form of a Q4_1 or Q8_0 matrix (see the module docstring)."""
+    if blocks.kind == "Q4_1":
+        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, "Q4_1")
+    elif blocks.kind == "Q8_0":
+        q = blocks.q.to(torch.int16)
+        hi, lo = (q >> 4) + 8, q & 15  # arithmetic shift: q = 16 * (hi - 8) + lo
+        codes = torch.cat([hi, lo], dim=1)
+        layer = PackedLinear(codes, torch.cat([16 * blocks.d, blocks.d], dim=1),
+                             torch.cat([torch.zeros_like(blocks.d), 8 * blocks.d], dim=1), 2, dtype, bias, "Q8_0")
+    else:
+        raise ValueError(f"no packed form for {blocks.kind}")
+    layer.stored_bytes = blocks.stored_bytes
+    return layer
+
+
+def concat_blocks(parts: list[Blocks]) -> Blocks:
+    """Matrices of one kind stacked along rows (q, k, v into wqkv): rows keep their own scales."""
+    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+    return Blocks(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
