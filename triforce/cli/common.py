@@ -43,6 +43,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "graph instead of launching some 30 kernels a layer (default: on with one CUDA device; "
                         "off under --tp, whose all-reduces run between kernels, and on CPU)")
     g.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree (launch with torchrun)")
+    g.add_argument("--weights", default=DEFAULTS.weights, choices=["auto", "stored", "dequantized"],
+                   help="stored: compute with the GGUF's 4-/8-bit blocks a prepared model was made from (CPU, "
+                        "bfloat16: a fifth of the bytes per step); dequantized: dense weights; auto (default): "
+                        "stored where the packed kernel measures faster")
+    g.add_argument("--kv-dtype", default=DEFAULTS.kv_dtype, choices=["auto", "same", "bfloat16", "float16", "float32"],
+                   help="the KV cache's dtype (default auto: 16 bits for float32 compute on a CPU where that "
+                        "measures faster, else the compute dtype)")
     g.add_argument("--lower-weights", default=DEFAULTS.lower_weights, choices=["auto", "same", "int8"],
                    help="weights the proposing levels read: same, or int8 (CPU: a weight-only int8 copy, "
                         "about half the time per draft/middle pass; the output is unchanged, verified exactly); "

@@ -38,7 +38,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load(target: str | Path, draft: str | Path | None = "self", dtype: str | torch.dtype = "float32",
          device: str = "cpu", target_config: ModelConfig | None = None, max_len: int | None = None,
          rank: int = 0, world_size: int = 1, progress: Callable | None = None, rope_scaling: str = "auto",
-         tokenizer=None) -> Loaded:
+         tokenizer=None, weights: str = "auto") -> Loaded:
     """Load the target (sharded when world_size > 1) and the drafter (replicated; None/'self' = target).
     `tokenizer`: the target's, when the caller has already loaded it.
 
@@ -50,7 +50,7 @@ def load(target: str | Path, draft: str | Path | None = "self", dtype: str | tor
         cfg, note = scaled_for(ModelConfig.from_folder(target), max_len or 0, rope_scaling)
         if note:
             log.warning(note)
-    model = load_model(target, dtype, device, cfg, max_len, rank, world_size, progress)
+    model = load_model(target, dtype, device, cfg, max_len, rank, world_size, progress, weights=weights)
     tokenizer = tokenizer or load_tokenizer(target)
     drafter, self_rotary = None, None
     if draft in (None, "self"):
@@ -62,5 +62,5 @@ def load(target: str | Path, draft: str | Path | None = "self", dtype: str | tor
         if not (same_tokenizer_files(target, draft) or same_tokenizer(tokenizer, load_tokenizer(draft))):
             raise UserError(f"the drafter {draft} uses a different tokenizer from the target {target}; "
                             f"pick a drafter of the same model family or Settings.draft 'self'")
-        drafter = load_model(draft, dtype, device, draft_cfg)
+        drafter = load_model(draft, dtype, device, draft_cfg, weights=weights)
     return Loaded(Models(model, drafter, self_rotary), tokenizer, cfg)

@@ -16,6 +16,8 @@ from typing import Callable, ContextManager
 import torch
 
 from triforce.model.config import ModelConfig
+from triforce.model.gguf_loader import weights_summary
+from triforce.model.kv_dtype import resolve_kv_dtype, use_kv_dtype
 from triforce.model.errors import UserError
 from triforce.model.loader import load_tokenizer
 from triforce.model.quant import resolve_lower_weights, with_lower_weights
@@ -109,12 +111,18 @@ class Session:
         with self._loading(what) if self._loading else nullcontext():
             self.loaded = load(run.model, self.draft, self.dtype, self.device, target_config=self.config,
                                max_len=self.needed, rank=self.dist.rank if self.dist else 0,
-                               world_size=self.dist.world_size if self.dist else 1, tokenizer=self.tokenizer)
+                               world_size=self.dist.world_size if self.dist else 1, tokenizer=self.tokenizer,
+                               weights=run.weights)
         if self.dist:
             self.dist.attach(self.loaded.models.target)
         # the int8 twin shares the attention and MLP modules' hooks (tensor parallelism) by reference
         target, drafter = self.loaded.models.proposers(modes)
-        self.loaded.models = with_lower_weights(self.loaded.models, run.lower_weights, target, drafter)
+        self.loaded.models = models = with_lower_weights(self.loaded.models, run.lower_weights, target, drafter)
+        self.kv_dtype = resolve_kv_dtype(run.kv_dtype, self.device, self.dtype)
+        for model in (models.target, models.drafter, models.proposing_target):
+            if model is not None:
+                use_kv_dtype(model, self.kv_dtype)
+        self.weights = weights_summary(models.target)
         return self
 
     def encode(self, text: str | list[int]) -> list[int]:
@@ -206,7 +214,8 @@ class Session:
                          "temperature": cfg.temperature, "top_p": cfg.top_p, "budget": cfg.budget,
                          "chunk_size": cfg.chunk_size, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
                          "rope_scaling": self.config.rope_scaling, "tp": self.dist.world_size if self.dist else 1,
-                         "offload": run.offload, "lower_weights": run.lower_weights},
+                         "offload": run.offload, "lower_weights": run.lower_weights,
+                         "weights": getattr(self, "weights", None), "kv_dtype": _dtype_name(getattr(self, "kv_dtype", None))},
         }
 
     def _offload_timings(self):
@@ -221,6 +230,11 @@ class Session:
         if str(self.device).startswith("cuda"):
             rows.append(("CUDA graphs", ("on" if self.cuda_graphs() else "off")
                          + (" (default: one GPU)" if self.run.cuda_graphs is None else "")))
+        if getattr(self, "weights", None):
+            rows.append(("weights", f"{self.weights['format']}, {self.weights['bytes_per_pass'] / 1e6:,.0f} MB read per pass"
+                         + (" (--weights auto)" if run.weights == "auto" else "")))
+        if getattr(self, "kv_dtype", None) is not None:
+            rows.append(("KV cache", _dtype_name(self.kv_dtype) + (" (--kv-dtype auto)" if run.kv_dtype == "auto" else "")))
         if cfg is not None:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else
                          f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))
@@ -243,6 +257,10 @@ def _set_threads(threads: int | None) -> str:
     threads, why = auto_threads()
     torch.set_num_threads(threads)
     return why
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _size(n: float) -> str:

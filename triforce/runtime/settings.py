@@ -40,6 +40,8 @@ class Settings:
     cuda_graphs: bool | None = None  # None: on for a single CUDA device
     tp: int = 1
     lower_weights: str = "auto"  # the proposing levels' weights: auto (int8 on a bf16 CPU), same, int8
+    weights: str = "auto"  # stored: compute with a GGUF's blocks (CPU); dequantized; auto: stored where it pays
+    kv_dtype: str = "auto"  # the KV cache's dtype: auto (16 bits for float32 on a CPU where that pays), same, ...
     # generation
     mode: str = "triforce"
     max_new_tokens: int = 128
@@ -221,6 +223,10 @@ def check_flags(run: Settings) -> None:
         (0 <= run.rebuild_threshold <= 1, f"rebuild threshold must be in [0, 1] (got {run.rebuild_threshold})"),
         (run.prefill_chunk is None or run.prefill_chunk >= 1, f"prefill chunk must be >= 1 (got {run.prefill_chunk})"),
         (run.tp >= 1, f"Settings.tp must be at least 1 (got {run.tp})"),
+        (run.weights in ("auto", "stored", "dequantized"),
+         f"Settings.weights '{run.weights}' is not one of auto, stored, dequantized"),
+        (run.kv_dtype in ("auto", "same", "bfloat16", "float16", "float32"),
+         f"Settings.kv_dtype '{run.kv_dtype}' is not one of auto, same, bfloat16, float16, float32"),
     ]
     for ok, message in checks:
         if not ok:
