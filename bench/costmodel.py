@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from triforce.model.config import kv_bytes_per_token, parameter_count
 from triforce.speculative.adaptive import seconds_per_token, tokens_per_verification  # noqa: F401 (re-exported)
 
 GB = 1e9
@@ -57,10 +58,8 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * (attn + mlp) + embed
+        return parameter_count(self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                               self.vocab, self.tied_embeddings)
 
     @property
     def weight_bytes(self) -> int:
@@ -76,7 +75,7 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token, all layers."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_value
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.bytes_per_value)
 
     def kv_bytes(self, tokens: int) -> int:
         return self.kv_bytes_per_token * tokens

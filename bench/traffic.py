@@ -7,7 +7,7 @@ from triforce.model.config import ModelConfig
 
 
 def kv_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    return cfg.kv_bytes(elem)
 
 
 def weight_bytes(cfg: ModelConfig, elem: int) -> int:

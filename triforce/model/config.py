@@ -10,6 +10,21 @@ from .errors import UserError
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: int) -> int:
+    """K and V of one token, all layers: the one formula the caches, the memory checks, the traffic
+    model and the cost model use."""
+    return 2 * layers * kv_heads * head_dim * bytes_per_value
+
+
+def parameter_count(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                    vocab: int, tied_embeddings: bool) -> int:
+    """Weights of a Llama-family decoder: q/k/v/o and the three MLP matrices per layer, the embedding
+    (and an untied output head); norms and biases are too small to count."""
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * intermediate
+    return layers * (attention + mlp) + vocab * hidden * (1 if tied_embeddings else 2)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder. Qwen2 is Llama with biases on q/k/v."""
@@ -42,7 +57,15 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token at 2 bytes per value (bf16), all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        return self.kv_bytes(2)
+
+    def kv_bytes(self, bytes_per_value: int, tokens: int = 1) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_value) * tokens
+
+    @property
+    def parameters(self) -> int:
+        return parameter_count(self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                               self.intermediate_size, self.vocab_size, self.tie_word_embeddings)
 
     @property
     def trained_positions(self) -> int:

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from .config import kv_bytes_per_token
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -36,7 +38,7 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, torch.finfo(self.dtype).bits // 8)
 
 
 class Cache(Protocol):

@@ -144,9 +144,8 @@ class Session:
             return  # the device planner (offload) checks GPU memory
         cfg = self.config
         elem = torch.finfo(self.dtype).bits // 8
-        params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
-            cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size)
-        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * tokens
+        params = cfg.parameters
+        kv = cfg.kv_bytes(elem, tokens)
         weights = params * (elem + (1 if self.run.lower_weights == "int8" else 0))  # + the int8 copy
         need = weights * (1 if self.draft == "self" else 1.5) + kv
         available = host_available_bytes()
