@@ -42,6 +42,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs for every level whose cache is on the device: a small pass replays one "
                         "graph instead of launching some 30 kernels a layer (default: on with one CUDA device; "
                         "off under --tp, whose all-reduces run between kernels, and on CPU)")
+    g.add_argument("--compile", action="store_true",
+                   help="run each level's small passes (drafts, verifications) as torch.compile'd graphs over "
+                        "static shapes, captured as CUDA graphs on a GPU: fewer kernels per layer, after tens "
+                        "of seconds of compiling per level and pass length")
     g.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree (launch with torchrun)")
     g.add_argument("--weights", default=DEFAULTS.weights, choices=["auto", "stored", "dequantized"],
                    help="stored: compute with the GGUF's 4-/8-bit blocks a prepared model was made from (CPU, "

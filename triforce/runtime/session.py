@@ -174,7 +174,11 @@ class Session:
         gen = Generator(models or self.loaded.models, cfg, mode or self.run.mode, max_len=max_len,
                         full_cache_factory=factory, prefilled=prefilled, agree=agree)
         self._last_full_cache = gen.full.cache
-        if self.cuda_graphs():
+        if self.run.compile:
+            from triforce.speculative.graphs import enable_compiled_passes
+
+            enable_compiled_passes(gen)  # captured as CUDA graphs on a GPU as well
+        elif self.cuda_graphs():
             from triforce.speculative.graphs import enable_cuda_graphs
 
             enable_cuda_graphs(gen)

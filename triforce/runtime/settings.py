@@ -38,6 +38,7 @@ class Settings:
     onchip_layers: str = "0"
     offload_chunk: int = 4096
     cuda_graphs: bool | None = None  # None: on for a single CUDA device
+    compile: bool = False  # each level's small passes as torch.compile'd graphs (seconds to compile per shape)
     tp: int = 1
     lower_weights: str = "auto"  # the proposing levels' weights: auto (int8 on a bf16 CPU), same, int8
     weights: str = "auto"  # stored: compute with a GGUF's blocks (CPU); dequantized; auto: stored where it pays

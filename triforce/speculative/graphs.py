@@ -13,7 +13,12 @@ streams KV with copies and events per pass and stays eager.
     enable_cuda_graphs(generator)   # after constructing it
 
 With `eager_static=True` the same view runs eagerly instead of being captured (any device): that
-is how the CPU tests check that the graph path computes what the caches' own path does.
+is how the CPU tests check that the graph path computes what the caches' own path does. With
+`compiled=True` each (cache, tokens per call, last_only) pass over the view is one torch.compile'd
+graph (fullgraph: a break would be an error, not a silent slowdown), run as is on CPU and captured
+on CUDA: norm, RoPE and SiLU fused, the mask built once per pass.
+
+    enable_compiled_passes(generator)   # --compile
 """
 from __future__ import annotations
 
@@ -73,15 +78,17 @@ class _Captured:
     tokens: torch.Tensor
     logits: torch.Tensor | None = None
     graph: object = None
+    forward: object = None  # the pass over the view: the model's, or its compiled graph
 
 
 class GraphedModel:
     """Drop-in for a Level's model: small calls on CUDA replay a graph (or, with eager_static, run the
     static view eagerly on any device); everything else goes to the model unchanged."""
 
-    def __init__(self, model, eager_static: bool = False, max_tokens: int = MAX_GRAPH_TOKENS, warmup: int = 2):
+    def __init__(self, model, eager_static: bool = False, max_tokens: int = MAX_GRAPH_TOKENS, warmup: int = 2,
+                 compiled: bool = False):
         self.model, self.max_tokens, self.warmup = model, max_tokens, warmup
-        self.eager_static = eager_static
+        self.eager_static, self.compiled = eager_static, compiled
         self.captured: dict[tuple, _Captured] = {}
         self.replays = 0
         self.captures = 0  # Level.run leaves a pass that captured out of the adaptive chooser's timings
@@ -99,10 +106,11 @@ class GraphedModel:
         c = self.captured.get(key)
         if c is None:
             c = self.captured[key] = _Captured(StaticView(cache, T), torch.zeros_like(tokens))
+            c.forward = self._forward(c.view, last_only)
         c.view.set(positions, cache.used)
         c.tokens.copy_(tokens)
         if not graphs:
-            logits = self.model(c.tokens, c.view, last_only)
+            logits = c.forward(c.tokens)
         else:
             if c.graph is None:
                 self._capture(c, last_only)
@@ -114,6 +122,13 @@ class GraphedModel:
         self.replays += 1
         return logits
 
+    def _forward(self, view: StaticView, last_only: bool):
+        model = self.model
+
+        def forward(tokens):
+            return model(tokens, view, last_only)
+        return torch.compile(forward, fullgraph=True, dynamic=False) if self.compiled else forward
+
     def _capture(self, c: _Captured, last_only: bool) -> None:
         # warm-up and capture write this call's K/V into this call's slots; the replay rewrites them
         self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(c.tokens.device)  # no H2D copy inside the graph
@@ -121,15 +136,21 @@ class GraphedModel:
         side.wait_stream(torch.cuda.current_stream(c.tokens.device))
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(self.warmup):
-                self.model(c.tokens, c.view, last_only)
+                c.forward(c.tokens)
         torch.cuda.current_stream(c.tokens.device).wait_stream(side)
         self.captures += 1
         c.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(c.graph), torch.no_grad():
-            c.logits = self.model(c.tokens, c.view, last_only)
+            c.logits = c.forward(c.tokens)
 
 
-def enable_cuda_graphs(generator, eager_static: bool = False) -> list[GraphedModel]:
+def enable_compiled_passes(generator) -> list[GraphedModel]:
+    """Every level with a resident cache runs its small passes as torch.compile'd graphs over static
+    shapes (captured as CUDA graphs on a GPU); returns the wrappers."""
+    return enable_cuda_graphs(generator, eager_static=not generator.device.type == "cuda", compiled=True)
+
+
+def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = False) -> list[GraphedModel]:
     """Wrap the models of the levels with a resident cache; returns the wrappers (their `replays` count)."""
     wrapped = []
     full = generator.full if isinstance(generator.full.cache, FullCache) else None
@@ -138,6 +159,6 @@ def enable_cuda_graphs(generator, eager_static: bool = False) -> list[GraphedMod
             # the full level graphs its verification passes only: a chat turn of a few tokens is
             # prefill, and one capture per turn length would hold as many copies of the graph
             limit = generator.gamma + 1 if level is full else MAX_GRAPH_TOKENS
-            level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit)
+            level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit, compiled=compiled)
             wrapped.append(level.model)
     return wrapped
