@@ -1,36 +1,99 @@
 """The prefill's progress: a rich bar at a terminal, a line a minute in a log file, and a time left
-that knows a long prompt slows down as it goes (every token attends to all the tokens before it)."""
+that knows a long prompt slows down as it goes (every token attends to all the tokens before it).
+
+The bar moves within a piece too: `watch_layers` hooks the model's decoder layers, so a 4,096-token
+piece that takes minutes at long context advances a layer's share at a time, and the same hooks time
+each layer's attention apart from the rest. That split gives the clock both parts of the cost from
+the first layer on: a * tokens (weights: projections and MLP) + b * (query, key) pairs (attention)."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeElapsedColumn)
 from rich.text import Text
 
 PROGRESS_LOG_SECONDS = 60.0
 
 
+def pairs(start: int, end: int) -> float:
+    """(query, key) pairs the tokens [start, end) attend over: token p sees p + 1 keys."""
+    return (end * end - start * start + end - start) / 2
+
+
 class PrefillClock:
     """Seconds left in a prefill whose cost per token is a + b * (tokens before it).
 
-    Fitted by least squares to this run's pieces: a piece from context s to e costs
-    a * (e - s) + b * (e^2 - s^2) / 2. A rate alone (rich's estimate) says "33 min left" halfway
-    through a whole book on a CPU when twice that is left: the second half attends to more."""
+    With layer timings (`layer`): a = seconds outside attention per token, b = seconds in attention
+    per (query, key) pair, both measured, so the first layer of the first piece already predicts how
+    the cost grows. Without them (a model whose layers cannot be watched): fitted by least squares to
+    whole pieces, a piece from context s to e costing a * (e - s) + b * (e^2 - s^2) / 2. A rate alone
+    (rich's estimate) says "33 min left" halfway through a whole book on a CPU when twice that is
+    left: the second half attends to more."""
 
     def __init__(self, done: int = 0):
-        self.at, self.since = done, time.monotonic()
+        self.first = self.at = done  # tokens before this run; tokens in finished pieces
+        self.since = time.monotonic()
         self.pieces: list[tuple[int, int, float]] = []  # (start, end, seconds)
+        # work timed so far, in fractions of pieces, and its seconds split in two
+        self.tokens_timed = self.pairs_timed = 0.0
+        self.linear_seconds = self.attention_seconds = 0.0
+        self.piece_fraction = self.piece_seconds = 0.0  # of the piece under way
+        self._piece_tokens = 0
+
+    @property
+    def position(self) -> float:
+        """Tokens done, counting the layers done of the piece under way."""
+        return self.at + self.piece_fraction * self._piece_tokens if self.piece_fraction else self.at
+
+    def layer(self, tokens: int, fraction: float, seconds: float, attention_seconds: float) -> None:
+        """`fraction` of the piece of `tokens` after self.at took `seconds`, `attention_seconds` of
+        them in attention."""
+        self._piece_tokens = tokens
+        self._timed(tokens, fraction, seconds - attention_seconds, attention_seconds)
+        self.piece_fraction += fraction
+        self.piece_seconds += seconds
+
+    def piece(self, n: int, seconds: float) -> None:
+        """The piece of n tokens after self.at is done, in `seconds` all told."""
+        rest, extra = max(1.0 - self.piece_fraction, 0.0), max(seconds - self.piece_seconds, 0.0)
+        if rest > 1e-9 and self.attention_seconds > 0:  # layers unseen: split as the layers seen were
+            a, b = self._measured()
+            linear, attention = a * n, b * pairs(self.at, self.at + n)
+            share = attention / (linear + attention)
+            self._timed(n, rest, extra * (1 - share), extra * share)
+        elif self.attention_seconds > 0:  # embedding, final norm, output head: per token
+            self._timed(n, 0.0, extra, 0.0)
+        self.pieces.append((self.at, self.at + n, seconds))
+        self.at += n
+        self.piece_fraction = self.piece_seconds = 0.0
 
     def advance(self, n: int) -> None:
         now = time.monotonic()
-        self.pieces.append((self.at, self.at + n, now - self.since))
-        self.at, self.since = self.at + n, now
+        self.piece(n, now - self.since)
+        self.since = now
 
     def seconds_left(self, total: int) -> float | None:
-        if not self.pieces or self.at >= total:
-            return None if not self.pieces else 0.0
+        if not self.pieces and not self.piece_fraction:
+            return None
+        if self.position >= total:
+            return 0.0
+        if self.attention_seconds > 0:
+            a, b = self._measured()
+            return (a * (total - self.first - self.tokens_timed)
+                    + b * (pairs(self.first, total) - self.pairs_timed))
         a, b = self._fit()
         return a * (total - self.at) + b * (total ** 2 - self.at ** 2) / 2
+
+    def _timed(self, tokens: int, fraction: float, linear: float, attention: float) -> None:
+        self.tokens_timed += fraction * tokens
+        self.pairs_timed += fraction * pairs(self.at, self.at + tokens)
+        self.linear_seconds += linear
+        self.attention_seconds += attention
+
+    def _measured(self) -> tuple[float, float]:
+        return self.linear_seconds / self.tokens_timed, self.attention_seconds / self.pairs_timed
 
     def _fit(self) -> tuple[float, float]:
         rows = [(e - s, (e * e - s * s) / 2, t) for s, e, t in self.pieces]
@@ -73,34 +136,97 @@ class _TimeLeft(ProgressColumn):
         return Text(f"{minutes(left)} left" if left is not None else "", style="progress.remaining")
 
 
+class PrefillAdvance:
+    """What a prefill calls: `advance(n)` after each piece of n tokens (Generator.prefill's
+    `progress`), and `advance.layer(...)` after each decoder layer (through `watch_layers`)."""
+
+    def __init__(self, progress: Progress, task, clock: PrefillClock, total: int, label: str, console=None):
+        self.progress, self.task, self.clock, self.total, self.label = progress, task, clock, total, label
+        self.console = console  # a log file's console: a line once a minute; None at a terminal
+        self.logged = time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        self.clock.advance(n)
+        self._show()
+
+    def layer(self, tokens: int, layer: int, layers: int, seconds: float, attention_seconds: float) -> None:
+        self.clock.layer(tokens, 1 / layers, seconds, attention_seconds)
+        self._show()
+
+    def _show(self) -> None:
+        self.progress.update(self.task, completed=min(self.clock.position, self.total))
+        if self.console is not None and time.monotonic() - self.logged >= PROGRESS_LOG_SECONDS:
+            self._log()
+
+    def _log(self) -> None:
+        state = self.progress.tasks[0]
+        if state.finished:
+            return
+        self.logged = time.monotonic()
+        left = self.clock.seconds_left(self.total)
+        self.console.print(f"{self.label}: {state.completed:,.0f} of {self.total:,} tokens ({state.percentage:.0f}%)"
+                           + (f", {state.speed:,.0f} tok/s" if state.speed else "")
+                           + (f", about {minutes(left)} left" if left is not None else ""))
+
+
 def prefill_progress(console, total: int, label: str = "prefill", done: int = 0):
-    """A rich progress bar (tokens done / total, tokens/s, time left); returns (progress, advance).
-    `done`: tokens already there (resumed from a checkpoint), shown but not counted in the rate."""
+    """A rich progress bar (tokens done / total, tokens/s, time left, time elapsed); returns
+    (progress, advance): pass `advance` as the prefill's progress, and to `watch_layers` for a bar
+    that moves within pieces. `done`: tokens already there (resumed from a checkpoint), shown but
+    not counted in the rate."""
     clock = PrefillClock(done)
-    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), _Rate(),
-                        _TimeLeft(clock), console=console, transient=False,
+    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=20), MofNCompleteColumn(), _Rate(),
+                        _TimeLeft(clock), TimeElapsedColumn(), console=console, transient=False,
                         speed_estimate_period=300)  # a piece can take minutes at long context
     task = progress.add_task(label, total=total, completed=done)
-
-    def advance(n: int) -> None:
-        clock.advance(n)
-        progress.advance(task, n)
-
     if console.is_terminal:
-        return progress, advance
+        return progress, PrefillAdvance(progress, task, clock, total, label)
     # A log file gets no live bar, only the final one; a whole book takes an hour on a CPU, so the
     # log says when the prefill starts and then, once a minute, how far it is and how long is left.
     console.print(f"{label}: {total - done:,} tokens ..." if not done else
                   f"{label}: {total - done:,} tokens after {done:,} resumed ...")
-    logged = [time.monotonic()]
+    return progress, PrefillAdvance(progress, task, clock, total, label, console)
 
-    def advance_and_log(n: int) -> None:
-        advance(n)
-        now, state = time.monotonic(), progress.tasks[0]
-        if now - logged[0] >= PROGRESS_LOG_SECONDS and not state.finished:
-            logged[0] = now
-            left = clock.seconds_left(total)
-            console.print(f"{label}: {state.completed:,.0f} of {total:,} tokens ({state.percentage:.0f}%)"
-                          + (f", {state.speed:,.0f} tok/s" if state.speed else "")
-                          + (f", about {minutes(left)} left" if left is not None else ""))
-    return progress, advance_and_log
+
+@contextmanager
+def watch_layers(model, advance):
+    """While inside, each decoder layer of each forward of `model` reports to
+    `advance.layer(tokens, layer, layers, seconds, attention_seconds)`: forward hooks, so the model
+    and the engine need no change. `attention_seconds` is the time from the fused q/k/v projection's
+    end to the output projection's start (rotation, cache write, attention). A model without the
+    decoder's layout (another wrapper) is left unwatched: the bar then moves once a piece. On a GPU
+    the times are launch times, not compute: pass a model only where its work is synchronous (CPU)."""
+    layers = getattr(model, "layers", None)
+    report = getattr(advance, "layer", None)
+    if report is None or layers is None or not all(hasattr(b, "attention") and hasattr(b, "mlp") for b in layers):
+        yield
+        return
+    n = len(layers)
+    stamps = {"layer": 0.0, "qkv": 0.0, "attention": 0.0}
+
+    def forward_starts(_module, _inputs):
+        stamps["layer"] = time.perf_counter()
+
+    def qkv_done(_module, _inputs, _output):
+        stamps["qkv"] = time.perf_counter()
+
+    def attention_done(_module, _inputs):  # the output projection is about to start
+        stamps["attention"] = time.perf_counter() - stamps["qkv"]
+
+    def layer_done(i):
+        def hook(_module, inputs, _output):
+            now = time.perf_counter()
+            seconds, stamps["layer"] = now - stamps["layer"], now
+            report(inputs[0].shape[0], i + 1, n, seconds, stamps["attention"])
+        return hook
+
+    handles = [model.register_forward_pre_hook(forward_starts)]
+    for i, block in enumerate(layers):
+        handles += [block.attention.wqkv.register_forward_hook(qkv_done),
+                    block.attention.wo.register_forward_pre_hook(attention_done),
+                    block.mlp.register_forward_hook(layer_done(i))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
