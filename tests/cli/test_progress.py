@@ -74,3 +74,66 @@ def test_one_piece_or_noise_falls_back_to_the_rate():
     assert clock.seconds_left(3000) == pytest.approx(1000 * 30.0 / 2000)
     assert clock_with([(0, 1000, 10.0)]).seconds_left(1000) == 0.0
     assert PrefillClock().seconds_left(10) is None
+
+
+# ---------------------------------------------------------------- progress within a piece
+
+
+def tiny_generator(folder, piece: int, max_len: int):
+    from triforce.model.loader import load_model
+    from triforce.speculative import GenerationConfig
+    from triforce.speculative.engine import Generator, Models
+
+    model = load_model(folder, max_len=max_len)
+    gen = Generator(Models(model, None), GenerationConfig(max_new_tokens=1, prefill_chunk=piece),
+                    "autoregressive", max_len=max_len)
+    return model, gen
+
+
+def test_the_bar_moves_a_layer_at_a_time_within_a_piece(tiny_folder, monkeypatch):
+    """One piece of 40 tokens through a 2-layer model: the log shows 20 of 40 before the piece ends."""
+    monkeypatch.setattr(prefill, "PROGRESS_LOG_SECONDS", 0.0)
+    model, gen = tiny_generator(tiny_folder, piece=40, max_len=64)
+    out = io.StringIO()
+    bar, advance = prefill.prefill_progress(Console(file=out, force_terminal=False, width=120), 40)
+    seen = []
+    with bar, prefill.watch_layers(model, advance):
+        gen.prefill(list(range(3, 43)), progress=lambda n: seen.append(out.getvalue()) or advance(n))
+    before_the_piece_ended = seen[0].splitlines()
+    assert before_the_piece_ended[1].startswith("prefill: 20 of 40 tokens (50%)")
+    assert "left" in before_the_piece_ended[1]  # a time left from the first layer on
+
+
+def test_layers_are_watched_only_inside(tiny_folder):
+    import torch
+
+    model, gen = tiny_generator(tiny_folder, piece=8, max_len=64)
+    calls = []
+
+    class Layers:
+        def layer(self, *args):
+            calls.append(args)
+
+        def __call__(self, n):
+            pass
+
+    with prefill.watch_layers(model, Layers()):
+        gen.prefill(list(range(3, 19)), progress=Layers())
+    assert [c[:3] for c in calls] == [(8, 1, 2), (8, 2, 2)] * 2
+    assert all(seconds >= attention >= 0 for *_, seconds, attention in calls)
+    with torch.no_grad():
+        model(torch.tensor([3]), gen.full.cache)
+    assert len(calls) == 4  # hooks removed
+    with prefill.watch_layers(object(), Layers()):  # no decoder layout: nothing to watch, no error
+        pass
+
+
+def test_the_clock_predicts_growth_from_the_first_layer():
+    """Cost a per token + b per attention pair, seen one layer of one piece: the time left is exact."""
+    a, b, layers, total = 3e-3, 4e-6, 30, 100_000
+    clock = PrefillClock()
+    attention = b * prefill.pairs(0, 4096) / layers
+    clock.layer(4096, 1 / layers, a * 4096 / layers + attention, attention)
+    truth = a * total + b * prefill.pairs(0, total) - (a * 4096 + b * prefill.pairs(0, 4096)) / layers
+    assert clock.seconds_left(total) == pytest.approx(truth, rel=1e-9)
+    assert clock.position == pytest.approx(4096 / layers)
