@@ -53,3 +53,15 @@ def test_project_cites_the_design_note_where_it_lives():
     assert "DESIGN.md" not in sources
     out = printed_at_80(lambda c: project.print_calibration(c, cm.calibration_table()))
     assert "DESIGN.md" not in out and "docs/design.md" in out and "Published results" in out
+
+
+def test_pass_cost_says_each_point_on_stderr(tiny_folder, capsys):
+    from bench import pass_cost
+
+    assert pass_cost.main(["--model", str(tiny_folder), "--contexts", "16,32", "--tokens", "1,3",
+                           "--dtype", "float32", "--repeats", "1"]) == 0
+    printed = capsys.readouterr()
+    progress = printed.err.splitlines()
+    assert [line.split(":")[1].strip() for line in progress] == [
+        f"{i} of 4 points, S={s} T={t}" for i, (s, t) in enumerate([(16, 1), (16, 3), (32, 1), (32, 3)], 1)]
+    assert "pass_cost:" not in printed.out and "T=3" in printed.out  # the table alone on stdout
