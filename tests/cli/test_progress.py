@@ -1,6 +1,8 @@
 """The prefill's progress: plain lines in a log file, and a time left that expects the slowdown of a
 long prompt (per-token cost a + b * context)."""
 import io
+import json
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -137,3 +139,49 @@ def test_the_clock_predicts_growth_from_the_first_layer():
     truth = a * total + b * prefill.pairs(0, total) - (a * 4096 + b * prefill.pairs(0, 4096)) / layers
     assert clock.seconds_left(total) == pytest.approx(truth, rel=1e-9)
     assert clock.position == pytest.approx(4096 / layers)
+
+
+# ---------------------------------------------------------------- the clock on a real prefill's timings
+
+DATA = Path(__file__).parent / "data"
+
+
+def replay(timeline: dict):
+    """Feed a recorded prefill (bench.prefill_timeline) to a clock as the bar would: each layer, then
+    each piece. Yields (estimated, true) seconds left after every layer."""
+    total, layers = timeline["meta"]["tokens"], timeline["meta"]["layers"]
+    truth = sum(p["seconds"] for p in timeline["pieces"])
+    clock, elapsed = PrefillClock(), 0.0
+    for p in timeline["pieces"]:
+        n, piece_start = p["end"] - p["start"], elapsed
+        for seconds, attention in p["layers"]:
+            clock.layer(n, 1 / layers, seconds, attention)
+            elapsed += seconds
+            yield clock.seconds_left(total), truth - elapsed
+        clock.piece(n, p["seconds"])
+        elapsed = piece_start + p["seconds"]
+
+
+TIMELINES = sorted(DATA.glob("prefill_timeline_*.json"))
+
+
+@pytest.mark.parametrize("path", TIMELINES, ids=[p.stem for p in TIMELINES])
+def test_the_first_time_left_is_within_30_percent_of_a_real_prefill(path):
+    timeline = json.loads(path.read_text())
+    estimates = list(replay(timeline))
+    first, truth = estimates[0]  # after the first layer of the first piece
+    assert abs(first - truth) <= 0.3 * truth, (first, truth)
+    # and every later one while a tenth of the time is left (near the end a second is a large share)
+    total = sum(p["seconds"] for p in timeline["pieces"])
+    off = [(round(e), round(t)) for e, t in estimates if t >= 0.1 * total and abs(e - t) > 0.3 * t]
+    assert not off, off
+
+
+@pytest.mark.parametrize("path", TIMELINES, ids=[p.stem for p in TIMELINES])
+def test_the_first_piece_rate_alone_would_promise_far_too_little(path):
+    """Why the clock splits attention from the rest: the rate of the first piece (what rich and the
+    earlier clock said) predicts under half of a real prefill's time left."""
+    pieces = json.loads(path.read_text())["pieces"]
+    first, total = pieces[0], pieces[-1]["end"]
+    rate_based = first["seconds"] * (total - first["end"]) / (first["end"] - first["start"])
+    assert rate_based < 0.5 * sum(p["seconds"] for p in pieces[1:])

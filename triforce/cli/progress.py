@@ -58,12 +58,12 @@ class PrefillClock:
     def piece(self, n: int, seconds: float) -> None:
         """The piece of n tokens after self.at is done, in `seconds` all told."""
         rest, extra = max(1.0 - self.piece_fraction, 0.0), max(seconds - self.piece_seconds, 0.0)
-        if rest > 1e-9 and self.attention_seconds > 0:  # layers unseen: split as the layers seen were
+        if self.tokens_timed > 0 and rest > 1e-9:  # this piece's layers unseen: split as the layers seen were
             a, b = self._measured()
             linear, attention = a * n, b * pairs(self.at, self.at + n)
-            share = attention / (linear + attention)
+            share = attention / (linear + attention) if linear + attention > 0 else 0.0
             self._timed(n, rest, extra * (1 - share), extra * share)
-        elif self.attention_seconds > 0:  # embedding, final norm, output head: per token
+        elif self.tokens_timed > 0:  # embedding, final norm, output head: per token
             self._timed(n, 0.0, extra, 0.0)
         self.pieces.append((self.at, self.at + n, seconds))
         self.at += n
@@ -79,7 +79,7 @@ class PrefillClock:
             return None
         if self.position >= total:
             return 0.0
-        if self.attention_seconds > 0:
+        if self.tokens_timed > 0:
             a, b = self._measured()
             return (a * (total - self.first - self.tokens_timed)
                     + b * (pairs(self.first, total) - self.pairs_timed))
