@@ -195,7 +195,8 @@ def watch_layers(model, advance):
     and the engine need no change. `attention_seconds` is the time from the fused q/k/v projection's
     end to the output projection's start (rotation, cache write, attention). A model without the
     decoder's layout (another wrapper) is left unwatched: the bar then moves once a piece. On a GPU
-    the times are launch times, not compute: pass a model only where its work is synchronous (CPU)."""
+    each stamp waits for the queued kernels (launch times would say nothing of the cost): a wait per
+    layer, microseconds against a prefill piece's milliseconds."""
     layers = getattr(model, "layers", None)
     report = getattr(advance, "layer", None)
     if report is None or layers is None or not all(hasattr(b, "attention") and hasattr(b, "mlp") for b in layers):
@@ -203,20 +204,21 @@ def watch_layers(model, advance):
         return
     n = len(layers)
     stamps = {"layer": 0.0, "qkv": 0.0, "attention": 0.0}
+    now = _clock_for(model)
 
     def forward_starts(_module, _inputs):
-        stamps["layer"] = time.perf_counter()
+        stamps["layer"] = now()
 
     def qkv_done(_module, _inputs, _output):
-        stamps["qkv"] = time.perf_counter()
+        stamps["qkv"] = now()
 
     def attention_done(_module, _inputs):  # the output projection is about to start
-        stamps["attention"] = time.perf_counter() - stamps["qkv"]
+        stamps["attention"] = now() - stamps["qkv"]
 
     def layer_done(i):
         def hook(_module, inputs, _output):
-            now = time.perf_counter()
-            seconds, stamps["layer"] = now - stamps["layer"], now
+            end = now()
+            seconds, stamps["layer"] = end - stamps["layer"], end
             report(inputs[0].shape[0], i + 1, n, seconds, stamps["attention"])
         return hook
 
@@ -230,3 +232,16 @@ def watch_layers(model, advance):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _clock_for(model):
+    """time.perf_counter, after the device's queued work where the model computes asynchronously."""
+    weight = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    if weight is None or weight.device.type != "cuda":
+        return time.perf_counter
+    import torch
+
+    def after_the_queue() -> float:
+        torch.cuda.synchronize(weight.device)
+        return time.perf_counter()
+    return after_the_queue
