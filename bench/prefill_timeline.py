@@ -1,7 +1,7 @@
 """Record a real prefill's timeline: each piece's seconds and, within it, each layer's seconds and
 the part spent in attention. The timings the prefill clock (triforce/cli/progress.py) predicts from.
 
-    python -m bench.prefill_timeline --book /work/shared/data/books/persuasion.txt --tokens 24576 \
+    python -m bench.prefill_timeline --book /work/shared/data/books/persuasion.txt --tokens 16384 \
         --out tests/cli/data/prefill_timeline_smollm2.json
 
 Feeds the book's first --tokens tokens through `Generator.prefill` (the path generate and chat take)
@@ -22,7 +22,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--book", required=True, help="a text of at least --tokens tokens")
-    p.add_argument("--tokens", type=int, default=24576)
+    p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--piece", type=int, default=None, help="tokens per prefill forward (default: the CPU default)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--out", required=True, help="the JSON timeline is written here")
