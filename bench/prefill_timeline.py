@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,11 +71,13 @@ def main(argv=None) -> int:
     gen = Generator(Models(model, None), GenerationConfig(max_new_tokens=1, prefill_chunk=piece),
                     "autoregressive", max_len=len(ids) + 1)
     recorder = Recorder(len(ids))
+    load_start = os.getloadavg()[0]  # other jobs on the machine change every timing: say how busy it was
     with watch_layers(model, recorder):
         gen.prefill(ids, progress=recorder)
     meta = {"model": Path(args.model).name, "dtype": args.dtype, "threads": torch.get_num_threads(),
             "layers": cfg.num_layers, "piece": piece, "tokens": len(ids), "torch": torch.__version__,
-            "seconds": round(sum(p["seconds"] for p in recorder.pieces), 3)}
+            "seconds": round(sum(p["seconds"] for p in recorder.pieces), 3), "book": Path(args.book).name,
+            "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
     Path(args.out).write_text(json.dumps({"meta": meta, "pieces": recorder.pieces}, separators=(",", ":")) + "\n")
     print(json.dumps(meta))
     return 0
