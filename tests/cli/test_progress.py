@@ -165,10 +165,11 @@ def replay(timeline: dict):
 TIMELINES = sorted(DATA.glob("prefill_timeline_*.json"))
 
 
-# Recorded beside other jobs. In the 32K one they multiplied (load average 5 at the start, 7 to 10 in
-# between: the layers of its first piece took 0.5 to 1.4 s, the later pieces' cost per attention pair
-# 1.35 to 3.7 ns); the 8K and 16K ones ran under a steadier load. A clock that reads past timings cannot
-# foresee a machine slowing down by half later on, so only the first estimate is held to 30% on all.
+# Recorded beside other jobs. In the 32K one they multiplied (load average 5 at the start, 7 to 10
+# in between: the layers of its first piece took 0.5 to 1.4 s, the later pieces' cost per attention
+# pair 1.35 to 3.7 ns); the 8K and 16K ones ran under a steadier load. A clock that reads past
+# timings cannot foresee a machine slowing down by half later on, so only the first estimate is
+# held to 30% on all.
 STEADY_LOAD = ["prefill_timeline_smollm2_8k", "prefill_timeline_smollm2_16k"]
 
 
