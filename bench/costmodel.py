@@ -17,8 +17,8 @@ collectives). The model predicts per-token latency for
 with E = (1 - a^(g+1)) / (1 - a) tokens per verification of g proposals accepted each with rate a
 (the accepted prefix plus the bonus/corrected token).
 
-Calibration (see `PUBLISHED` and `calibrate`): the figures of the TriForce rows (docs/design.md, "Published results")
-are reproduced from spec-sheet bandwidths, PCIe at the 25 GB/s the design notes state, the on-chip
+Calibration (see `PUBLISHED` and `calibrate`): the figures of the TriForce rows (docs/design.md,
+section "Published results") are reproduced from spec-sheet bandwidths, PCIe at the 25 GB/s the design notes state, the on-chip
 layer counts of the published commands, and a few fitted constants that the publication does not
 state: the middle-level acceptance (one value for all rows), a per-GPU memory reserve (from the
 published on-chip layer counts) and the effective host-memory bandwidth of DeepSpeed's CPU attention

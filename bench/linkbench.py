@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -19,6 +20,8 @@ from triforce.model.config import ModelConfig
 from triforce.speculative.engine import synchronize
 from triforce.model.transformer import Transformer
 
+from triforce.cli.common import run_cli
+from triforce.model.errors import UserError
 from triforce.offload.store import OffloadedCache
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
@@ -82,7 +85,7 @@ def pass_figures(model, context: int, T: int, onchip: int, chunk_tokens: int, re
             "hidden_fraction": 1 - wait / copy if copy else None}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=160 * 1024)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 7, 16])
@@ -93,6 +96,10 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # it measures a host-to-GPU link: without a GPU there is nothing to measure
+        raise UserError("bench.linkbench needs a CUDA GPU and none is visible here; "
+                        "--device cpu runs the same code as a smoke test (its figures mean nothing)")
     if device.type == "cuda":
         print(json.dumps({"raw_h2d_GBps": raw_h2d(2**30, device), "device": torch.cuda.get_device_name(device)}))
     cfg = ModelConfig(**{**LLAMA2_7B.__dict__, "num_layers": args.layers})
@@ -100,7 +107,8 @@ def main(argv=None) -> None:
     for onchip in args.onchip:
         for T in args.tokens:
             print(json.dumps(pass_figures(model, args.context, T, onchip, args.chunk_tokens)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

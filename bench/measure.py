@@ -82,11 +82,11 @@ def seed_config(cfgs: dict):
 def shared_prefill(session, cfgs: dict, prompt, max_len, label="prefill"):
     """Prefill `prompt` once, through Session.generator (the full cache generate.py would build), for
     the systems of `cfgs` ({mode: GenerationConfig}); returns the snapshot they all decode from."""
-    from triforce.cli.progress import prefill_progress
+    from triforce.cli.progress import prefill_progress, watch_layers
 
     seed = session.generator(seed_config(cfgs), max_len, mode=seed_mode(cfgs))
     progress, advance = prefill_progress(session.console, len(prompt), label)
-    with progress:
+    with progress, watch_layers(seed.full.model, advance):  # the bar moves within a piece too
         seed.prefill(prompt, progress=advance)
     return seed.snapshot()
 

@@ -68,11 +68,19 @@ def main(argv=None) -> int:
     table = Table(title=f"{Path(args.model).name} ({args.dtype}), {torch.get_num_threads()} threads: ms per pass")
     for col in ("cached S", *(f"T={t}" for t in args.tokens)):
         table.add_column(col, justify="right")
+    points, start = len(args.contexts) * len(args.tokens), time.perf_counter()
     for S in args.contexts:
         cache.k[:, :, :S].normal_()
         cache.v[:, :, :S].normal_()
         cache.used = cache.length = S
-        ms = {T: pass_ms(model, cache, S, T, args.repeats) for T in args.tokens}
+        ms = {}
+        for T in args.tokens:
+            ms[T] = pass_ms(model, cache, S, T, args.repeats)
+            # a point at 32K cached tokens takes tens of seconds on a CPU: say each one as it lands,
+            # on stderr, so that the table on stdout stays clean
+            print(f"pass_cost: {len(ms) + args.contexts.index(S) * len(args.tokens)} of {points} points, "
+                  f"S={S:,} T={T}: {ms[T]:.1f} ms per pass ({time.perf_counter() - start:.0f} s)",
+                  file=sys.stderr, flush=True)
         base = ms.get(1, ms[args.tokens[0]])
         table.add_row(f"{S:,}", *(f"{ms[T]:.1f} ({ms[T] / base:.2f}x)" for T in args.tokens))
     Console().print(table)

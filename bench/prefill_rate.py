@@ -117,10 +117,14 @@ def measure(folder: str, text: str, tokens: int, dtype: str, chunk: int, hf_chun
     for run in runs.values():
         run(ids[:WARMUP_TOKENS])
     times, logits = {name: [] for name in runs}, {}
-    for _ in range(repeats):
+    for rep in range(repeats):
         for name, run in runs.items():
             seconds, logits[name] = run(ids)
             times[name].append(seconds)
+            # each prefill of a long prompt takes a minute or more on a CPU: one line as each ends,
+            # on stderr (the table and --out JSON stay clean)
+            print(f"prefill_rate: {Path(folder).name} {name} repeat {rep + 1} of {repeats}: {tokens:,} tokens "
+                  f"in {seconds:.1f} s ({tokens / seconds:,.1f} tokens/s)", file=sys.stderr, flush=True)
     best = {name: min(t) for name, t in times.items()}
     hf_best = min((n for n in runs if n != "ours"), key=best.get)
     return {"model": Path(folder).name, "dtype": dtype, "tokens": tokens, "chunk": chunk,

@@ -5,7 +5,8 @@ Nothing here is measured: it predicts autoregressive offloaded decoding, DeepSpe
 and triforce from triforce.model shapes, context length, retrieval budget, gammas, acceptance rates and
 hardware figures (GPU memory bandwidth, PCIe bandwidth, TP degree, on-chip layers).
 
-1. Calibration: predicted vs published for every row of DESIGN.md section 4 (TriForce paper).
+1. Calibration: predicted vs published for every row of docs/design.md, section "Published results"
+   (the TriForce paper).
 2. With --bench FILE.json (written by bench/bench.py --out): the published settings re-predicted
    with the acceptance rates this project measured (per-token rates, assumed independent of gamma).
 3. With --model or shape flags and --context: a projection for any setting.
@@ -57,24 +58,57 @@ def _f(x, fmt="{:.0f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def print_calibration(console, rows):
+SOURCE = "docs/design.md, section \"Published results\""
+SYSTEM_SHORT = {"autoregressive": "AR", "autoregressive (on-chip)": "AR", "deepspeed": "DS"}
+AR_NOTE = ("AR: autoregressive decoding, the KV cache offloaded unless the setting says on-chip; "
+           "DS: DeepSpeed ZeRO-Inference")
+
+
+def compact_table(title: str, columns: list[str], rows: list, left=("model", "system")):
+    """A table for 80 columns: no vertical rules, one space between cells, each column as wide as
+    its widest value or header word (headers wrap, values never do). A row that is a string is a
+    setting's heading, in the first column."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"{LABEL}: predicted vs published (DESIGN.md section 4)")
-    for col in ("setting", "model", "system", "budget / gamma", "on-chip layers", "published", "predicted",
-                "error", "implied a_middle"):
-        t.add_column(col, justify="right" if col not in ("setting", "model", "system") else "left")
+    t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=0)  # the rule between cells is a space
+    cells = [r for r in rows if not isinstance(r, str)]
+    for i, col in enumerate(columns):
+        widest = max([len(r[i]) for r in cells] + [len(word) for word in col.split()])
+        t.add_column(col, justify="left" if col in left else "right", width=widest)
     for r in rows:
-        if r["published_ms"] is not None:
-            pub, pred = f"{r['published_ms']:.0f} ms", f"{r['predicted_ms']:.0f} ms"
-        else:
-            pub, pred = f"{r['published_speedup']:.2f}x", f"{r['predicted_speedup']:.2f}x"
-        err = f"{100 * r['relative_error']:+.0f}%" + ("" if r["calibrates"] else " (not fitted)")
-        bg = f"{r['budget']} / {r['gamma2']}" if r["budget"] else "-"
-        t.add_row(r["setting"], r["model"], r["system"], bg, _f(r["onchip_layers"]), pub, pred, err,
-                  _f(r["implied_accept_middle"], "{:.3f}"))
+        t.add_row(f"[bold]{r}[/]") if isinstance(r, str) else t.add_row(*r)
+    return t
+
+
+def by_setting(rows):
+    """(setting, its rows) in the rows' order: the setting is a row of its own, not a column."""
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(r["setting"], []).append(r)
+    return groups.items()
+
+
+def print_calibration(console, rows):
+    table = []
+    for setting, group in by_setting(rows):
+        table.append(setting)
+        for r in group:
+            if r["published_ms"] is not None:
+                pub, pred = f"{r['published_ms']:.0f} ms", f"{r['predicted_ms']:.0f} ms"
+            else:
+                pub, pred = f"{r['published_speedup']:.2f}x", f"{r['predicted_speedup']:.2f}x"
+            err = f"{100 * r['relative_error']:+.0f}%" + ("" if r["calibrates"] else "*")
+            bg = f"{r['budget']}/{r['gamma2']}" if r["budget"] else "-"
+            table.append([r["model"], SYSTEM_SHORT.get(r["system"], r["system"]), bg, _f(r["onchip_layers"]), pub,
+                          pred, err, _f(r["implied_accept_middle"], "{:.3f}")])
+    t = compact_table(f"{LABEL}: predicted vs published ({SOURCE})",
+                      ["model", "system", "budget / γ2", "on chip", "paper", "cost model", "error", "implied a_mid"],
+                      table)
     console.print(t)
-    console.print(f"constants: PCIe {cm.RTX4090.pcie_bw / cm.GB:.0f} GB/s per link (DESIGN.md), RTX 4090 "
+    console.print(f"{AR_NOTE}; *: not fitted (a speed-up only); on chip: layers whose KV stays in GPU memory; "
+                  "implied a_mid: the middle acceptance that reproduces the paper's figure.")
+    console.print(f"constants: PCIe {cm.RTX4090.pcie_bw / cm.GB:.0f} GB/s per link ({SOURCE}), RTX 4090 "
                   f"{cm.RTX4090.gpu_bw / cm.GB:.0f} GB/s, A100 {cm.A100_80G.gpu_bw / cm.GB:.0f} GB/s (spec sheets); "
                   f"fitted: middle acceptance {cm.FITTED_ACCEPT_MIDDLE} (least squares over the TriForce rows: "
                   f"{cm.calibrate():.3f}), per-GPU reserve {cm.RTX4090.reserve / cm.GB:.0f} GB (from the published "
@@ -113,24 +147,26 @@ def measured_acceptance(path: str) -> list[dict]:
 
 
 def print_measured(console, measured):
-    from rich.table import Table
-
-    t = Table(title=f"{LABEL}: the published settings with this project's measured acceptance")
-    for col in ("measured on", "a_middle", "a_draft", "setting", "model", "gamma2", "tok/verif.",
-                "projected", "projected baseline", "speedup", "published TriForce"):
-        t.add_column(col, justify="right", no_wrap=col == "measured on")
     for m in measured:
         src = f"{Path(str(m['model'])).name} {m['system']} @ {m['context']}"
+        rows = []
         for gamma2 in sorted({None, m["gamma2"]} - {None}, key=lambda g: g or 0) + [None]:
-            rows = cm.project_measured(m["accept_middle"], m["accept_draft"] if m["system"] == "triforce" else None,
-                                       gamma1=m["gamma1"] if gamma2 else None, gamma2=gamma2)
-            for r in rows:
-                t.add_row(src, f"{m['accept_middle']:.3f}", _f(m["accept_draft"], "{:.3f}"), r["setting"], r["model"],
-                          f"{r['gamma2']}" + (" (measured run)" if gamma2 else " (published)"),
-                          f"{r['tokens_per_verification']:.2f}", f"{r['projected_ms']:.0f} ms",
-                          f"{_f(r['projected_baseline_ms'])} ms ({r['baseline']})", _f(r["projected_speedup"], "{:.2f}x"),
-                          _f(r["published_ms"], "{:.0f} ms"))
-    console.print(t)
+            rows += [{**r, "gamma_from": "run" if gamma2 else "paper"} for r in cm.project_measured(
+                m["accept_middle"], m["accept_draft"] if m["system"] == "triforce" else None,
+                gamma1=m["gamma1"] if gamma2 else None, gamma2=gamma2)]
+        table = []
+        for setting, group in by_setting(rows):
+            table.append(setting)
+            table += [[r["model"], f"{r['gamma2']} {r['gamma_from']}", f"{r['tokens_per_verification']:.2f}",
+                       f"{r['projected_ms']:.0f} ms",
+                       f"{_f(r['projected_baseline_ms'])} ms {SYSTEM_SHORT.get(r['baseline'], r['baseline'])}",
+                       _f(r["projected_speedup"], "{:.2f}x"), _f(r["published_ms"], "{:.0f} ms")] for r in group]
+        t = compact_table(f"{LABEL}: the published settings with the acceptance measured on {src} "
+                          f"(a_middle {m['accept_middle']:.3f}, a_draft {_f(m['accept_draft'], '{:.3f}')})",
+                          ["model", "γ2", "tokens per verif.", "projected", "baseline", "speed-up", "paper"], table)
+        console.print(t)
+    console.print(f"{AR_NOTE}; γ2 run: the measured run's, paper: the published setting's; paper: the published "
+                  "TriForce latency.")
     console.print("caveat: acceptance was measured on this project's models and contexts (CPU run), not on "
                   "Llama2-7B/13B-128K at 128K tokens; rates depend on the model pair, the text, the budget and the context. "
                   "Drafter passes are costed as the published 68M drafter's, whatever drafter the measured run used.")
@@ -193,7 +229,7 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     args = parse_args(argv)
-    console = Console() if sys.stdout.isatty() else Console(width=200)  # files/pipes: no wrapping
+    console = Console()  # the tables fit 80 columns; files and pipes get rich's 80 too
     report = {"label": LABEL, "calibration": cm.calibration_table()}
     if args.bench:
         report["measured"] = [{**m, "projection": cm.project_measured(

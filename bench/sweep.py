@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.bench_report import wide
 from triforce.cli.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args, add_model_args,
                             generation_config, read_text, run_cli, run_config)
-from triforce.cli.progress import prefill_progress
+from triforce.cli.progress import prefill_progress, watch_layers
 from bench.measure import TIE_ULPS, first_mismatch, logit_gap_ulps, run_system
 from triforce.cli.common import open_session
 from triforce.speculative import Generator, UserError
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     max_len = len(prompt) + plan.new_tokens
     seed = Generator(session.loaded.models, base, "autoregressive", max_len=max_len)
     progress, advance = prefill_progress(session.console, len(prompt), f"prefill {len(prompt)}")
-    with progress:
+    with progress, watch_layers(seed.full.model, advance):  # the bar moves within a piece too
         seed.prefill(prompt, progress=advance)
     prefilled = seed.snapshot()
     reference, ar_seconds, _ = timed(session, "autoregressive", base, prefilled, max_len, plan.repeats)

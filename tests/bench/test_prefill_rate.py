@@ -28,7 +28,11 @@ def test_rates_and_agreeing_logits(folder, tmp_path, chunk, capsys):
                             "--threads", "1", "--chunk", str(chunk), "--hf-chunks", "0,100", "--repeats", "1",
                             "--out", str(out)])
     assert rc == 0
-    assert "ours/hf" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "ours/hf" in printed.out and "prefill_rate:" not in printed.out  # progress goes to stderr only
+    progress = [line for line in printed.err.splitlines() if line.startswith("prefill_rate:")]
+    assert [line.split(" repeat")[0].split()[-1] for line in progress] == ["ours", "hf:0", "hf:100"]
+    assert all("repeat 1 of 1: 256 tokens in" in line for line in progress), progress
     data = json.loads(out.read_text())
     assert data["meta"]["threads"] == 1
     (row,) = data["rows"]

@@ -1,0 +1,67 @@
+"""The measuring tools as a newcomer meets them: one line instead of a traceback where a tool cannot
+run here, no citation of files that are not in the checkout, tables that fit 80 columns, progress on
+stderr while stdout stays clean."""
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from bench import costmodel as cm
+from bench import project
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_linkbench_without_a_gpu_says_so_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "bench.linkbench"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "needs a CUDA GPU" in lines[0], proc.stderr
+
+
+def printed_at_80(*printers) -> str:
+    console = Console(width=80, file=io.StringIO(), force_terminal=False)
+    for printer in printers:
+        printer(console)
+    return console.file.getvalue()
+
+
+MEASURED = [{"model": "models/smollm2-135m", "system": "triforce", "context": 4096, "accept_middle": 0.8,
+             "accept_draft": 0.7, "gamma1": 4, "gamma2": 6}]
+
+
+def test_project_tables_fit_80_columns_with_no_cell_cut():
+    out = printed_at_80(lambda c: project.print_calibration(c, cm.calibration_table()),
+                        lambda c: project.print_measured(c, MEASURED))
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
+    rows = [line for line in out.splitlines() if line.startswith("LWM-Text-Chat-128K")]
+    assert len(rows) == 2 + 2  # two calibration rows, two projections: a model's name whole, on one line
+    calibration = [line for line in out.splitlines() if line.startswith("Llama2-13B-128K ")][:2]
+    # a row's cells side by side on one line: published, predicted, error
+    assert re.search(r"\b226 ms +227 ms +\+0%", calibration[0]), calibration
+    assert re.search(r"\b1794 ms +1888 ms +\+5%", calibration[1]), calibration
+
+
+def test_project_cites_the_design_note_where_it_lives():
+    sources = (ROOT / "bench" / "project.py").read_text() + (ROOT / "bench" / "costmodel.py").read_text()
+    assert "DESIGN.md" not in sources
+    out = printed_at_80(lambda c: project.print_calibration(c, cm.calibration_table()))
+    assert "DESIGN.md" not in out and "docs/design.md" in out and "Published results" in out
+
+
+def test_pass_cost_says_each_point_on_stderr(tiny_folder, capsys):
+    from bench import pass_cost
+
+    assert pass_cost.main(["--model", str(tiny_folder), "--contexts", "16,32", "--tokens", "1,3",
+                           "--dtype", "float32", "--repeats", "1"]) == 0
+    printed = capsys.readouterr()
+    progress = printed.err.splitlines()
+    assert [line.split(":")[1].strip() for line in progress] == [
+        f"{i} of 4 points, S={s} T={t}" for i, (s, t) in enumerate([(16, 1), (16, 3), (32, 1), (32, 3)], 1)]
+    assert "pass_cost:" not in printed.out and "T=3" in printed.out  # the table alone on stdout
