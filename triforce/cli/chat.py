@@ -29,7 +29,7 @@ try:  # importing torch takes seconds: a Ctrl-C then is an ordinary interrupt, n
 
     from triforce.cli.common import (add_engine_args, add_model_args, as_flags, check_flags, open_session, run_cli,
                                      run_config)
-    from triforce.cli.progress import prefill_progress
+    from triforce.cli.progress import prefill_progress, watch_layers
     from triforce.cli.stats import modes_text, print_stats_table
     from triforce.model.errors import UserError
     from triforce.runtime.book import ChatOptions, Reporter
@@ -228,6 +228,9 @@ class ConsoleReporter(Reporter):
 
     def progress(self, total: int, done: int = 0, label: str = "prefill"):
         return prefill_progress(self.console, total, label, done)
+
+    def watch(self, model, advance):
+        return watch_layers(model, advance)
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from triforce.cli.common import (DEFAULT_PROMPT_FILE, Settings, add_engine_args, add_model_args, check_flags,
                                  make_settings, open_session, read_text, run_cli)
-from triforce.cli.progress import prefill_progress
+from triforce.cli.progress import prefill_progress, watch_layers
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ def main(argv=None) -> int:
             out.flush()
 
     try:
-        result = run_generation(session, on_text=write, on_prefill=on_prefill if session.is_main else None)
+        result = run_generation(session, on_text=write, on_prefill=on_prefill if session.is_main else None,
+                                watch_prefill=lambda model: watch_layers(model, advance if session.is_main else None))
     finally:
         progress.stop()
     if not session.is_main:

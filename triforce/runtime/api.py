@@ -18,6 +18,7 @@ entry points do (triforce.cli.prepare_process). Importing triforce changes no en
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -81,15 +82,18 @@ def generate(prompt: str | list[int] | None = None, *, prompt_file: str | Path |
         session.close()
 
 
-def run_generation(session, on_tokens=None, on_text=None, on_prefill=None) -> Result:
+def run_generation(session, on_tokens=None, on_text=None, on_prefill=None, watch_prefill=None) -> Result:
     """A session's whole run: plan (bad settings are refused before the weights load), load the
-    levels its mode proposes with, prefill, generate. The command line's `generate` is this."""
+    levels its mode proposes with, prefill, generate. The command line's `generate` is this.
+    `watch_prefill(model)`: a context manager around the prefill given the model it runs (the
+    command line's bar watches its layers, to move within a long piece)."""
     cfg = session.plan_generation()
     session.load(modes=(session.run.mode,))
     gen = session.generator(cfg, max_len=len(session.prompt_ids) + session.run.max_new_tokens)
     if on_prefill:
         on_prefill(0)  # the prefill starts
-    gen.prefill(session.prompt_ids, progress=on_prefill)
+    with watch_prefill(gen.full.model) if watch_prefill else nullcontext():
+        gen.prefill(session.prompt_ids, progress=on_prefill)
     stream = StreamingText(session.tokenizer)
 
     def committed(tokens, levels):

@@ -62,6 +62,10 @@ class Reporter:
         """(a context manager around the work, advance(n) for n more tokens done)."""
         return nullcontext(), lambda n: None
 
+    def watch(self, model, advance):
+        """A context manager around a prefill of `model` that reports within pieces (none here)."""
+        return nullcontext()
+
 
 # ------------------------------------------------------------------------------------ the prompt
 class ChatFormat:
@@ -263,7 +267,7 @@ def _prefill(gen, book: Book, session, report: Reporter, path: Path | None, key:
             checkpoints.after(n)
 
     try:
-        with progress:
+        with progress, report.watch(gen.full.model, advance if session.is_main else None):
             gen.prefill(book.prompt, progress=step)
     except KeyboardInterrupt:
         _say_kept(checkpoints, len(book.prompt), report)
