@@ -117,7 +117,11 @@ class Session:
             self.dist.attach(self.loaded.models.target)
         # the int8 twin shares the attention and MLP modules' hooks (tensor parallelism) by reference
         target, drafter = self.loaded.models.proposers(modes)
-        self.loaded.models = models = with_lower_weights(self.loaded.models, run.lower_weights, target, drafter)
+        exact = self.loaded.models
+        self.loaded.models = models = with_lower_weights(exact, run.lower_weights, target, drafter)
+        if models.proposing_target is None and models.drafter is exact.drafter:
+            # no cheaper copy was made (weights as stored already read fewer bytes): say what runs
+            self.run = run = replace(run, lower_weights="same")
         self.kv_dtype = resolve_kv_dtype(run.kv_dtype, self.device, self.dtype)
         for model in (models.target, models.drafter, models.proposing_target):
             if model is not None:
