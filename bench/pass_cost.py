@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from triforce.speculative.api import resolve_dtype
+    from triforce.runtime.loading import resolve_dtype
     from triforce.speculative.caches import FullCache
     from triforce.model.loader import load_model
 

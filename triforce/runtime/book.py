@@ -202,7 +202,7 @@ def cache_key(session, book: Book) -> dict:
     return {"model": str(model), "config": kvfile.file_digest(model / "config.json"), "weights": weights,
             "dtype": run.dtype, "device": torch.device(session.device).type, "torch": torch.__version__,
             # the K/V differ with the weights computed with (stored blocks or dense) and the cache's dtype
-            "weights": session.weights["format"], "kv_dtype": str(session.kv_dtype),
+            "weights_format": session.weights["format"], "kv_dtype": str(session.kv_dtype),
             "rope_scaling": session.config.rope_scaling, "prefill_chunk": run.prefill_chunk,
             "tp": [dist.rank, dist.world_size] if dist else [0, 1], "book": book.digest, "context": book.kept,
             "prompt": hashlib.sha256(torch.tensor(book.prompt).numpy().tobytes()).hexdigest()}
