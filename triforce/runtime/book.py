@@ -305,7 +305,7 @@ def _mib(size: int) -> str:
 def _say_kept(checkpoints, total: int, report: Reporter) -> None:
     """An interrupted prefill: keep what the cache holds for the next start, and say how much."""
     if checkpoints is None:
-        report.warn(f"the prefill stopped: nothing is kept without a cache directory, the next start prefills again")
+        report.warn("the prefill stopped: nothing is kept without a cache directory, the next start prefills again")
         return
     try:
         checkpoints.flush()
