@@ -27,8 +27,7 @@ class GenerateOptions:
 
 
 def parse_args(argv) -> GenerateOptions:
-    from triforce.runtime.api import embedded_job
-    from triforce.runtime.settings import with_sampling
+    from triforce.runtime.api import job_settings
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -42,9 +41,7 @@ def parse_args(argv) -> GenerateOptions:
     run = make_settings(args, None)
     check_flags(run)  # before anything reads a file or imports torch
     embedded = args.prompt is None and args.prompt_file is None
-    if embedded:
-        run = embedded_job(run)
-    run = with_sampling(run, "checkpoint")
+    run = job_settings(run, embedded)
     return GenerateOptions(run, args.prompt, str(DEFAULT_PROMPT_FILE) if embedded else args.prompt_file, args.json)
 
 

@@ -56,6 +56,13 @@ def embedded_job(settings: Settings) -> Settings:
                    top_p=1.0 if settings.top_p is None else settings.top_p, top_k=settings.top_k or 0)
 
 
+def job_settings(run: Settings, embedded: bool) -> Settings:
+    """A run's settings as the main job resolves them, on the command line and in Python alike: the
+    embedded job's context and sampling when no prompt is given, then the checkpoint's sampling for
+    whatever is still unset."""
+    return with_sampling(embedded_job(run) if embedded else run, "checkpoint")
+
+
 def generate(prompt: str | list[int] | None = None, *, prompt_file: str | Path | None = None,
              on_tokens: Callable[[list[int], list[str]], None] | None = None,
              on_text: Callable[[str], None] | None = None, on_prefill: Callable[[int], None] | None = None,
@@ -66,11 +73,7 @@ def generate(prompt: str | list[int] | None = None, *, prompt_file: str | Path |
     on_text(piece): the text as it becomes final; on_prefill(n): n more prompt tokens processed."""
     if prompt is not None and prompt_file is not None:
         raise ValueError("give a prompt or a prompt_file, not both")
-    embedded = prompt is None and prompt_file is None
-    run = make_settings(None, None, **settings)
-    if embedded:
-        run = embedded_job(run)
-    run = with_sampling(run, "checkpoint")
+    run = job_settings(make_settings(None, None, **settings), embedded=prompt is None and prompt_file is None)
     if prompt is None:
         prompt = read_text(prompt_file or DEFAULT_PROMPT_FILE)
     from .session import Session
