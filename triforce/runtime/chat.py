@@ -8,7 +8,6 @@ generator's caches (the book is never prefilled again), each answer streams thro
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -42,7 +41,6 @@ class Chat:
         self.gen, self.tok, self.book, self.queries, self.stops = gen, tokenizer, book, queries, stops
         self.session = session
         self.is_main = session is None or session.is_main  # under torchrun only rank 0 writes files
-        self.out = sys.stdout if session is None else session.stdout
         dist = session.dist if session is not None else None
         self.share = dist.share if dist is not None else (lambda read: read())  # rank 0 reads the terminal
         self.turns: list[Answer] = []  # the conversation the caches hold
