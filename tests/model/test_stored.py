@@ -1,4 +1,4 @@
-"""Weights as stored: GGUF Q4_1/Q8_0 blocks computed through torch's packed int4 kernel.
+"""Weights as stored: GGUF Q4_1/Q8_0/Q4_K blocks computed through torch's packed int4 kernel.
 
 Every checkpoint here is built in memory from random blocks (gguf's writer, no downloads). The packed
 layers must be the GGUF's own weights (float64 dequantization of the blocks) to float accumulation
@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from triforce.model.errors import UserError
-from triforce.model.gguf_blocks import Blocks, GgufCheckpoint, decode_q4_1, decode_q8_0, encode_blocks
+from triforce.model.gguf_blocks import (Blocks, GgufCheckpoint, decode_q4_1, decode_q4_k, decode_q8_0, encode_blocks,
+                                        encode_q4_k)
 from triforce.model.gguf_loader import gguf_origin, load_gguf_model, resolve_weights, weights_summary
 from triforce.model.loader import load_model
 from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, packed_from_blocks
@@ -21,8 +22,28 @@ from triforce.speculative import GenerationConfig, Models, generate_ids
 from triforce.speculative.caches import FullCache
 
 
+def random_q4_k(rows: int, cols: int, seed: int) -> tuple[dict, torch.Tensor]:
+    """Q4_K super-blocks as their parts (f16 d ~ 1e-4..1e-3 and dmin, 6-bit scales and mins over
+    their whole range, 4-bit codes) and the weights they mean, d * sc * q - dmin * m in float64."""
+    g = torch.Generator().manual_seed(seed)
+    supers = cols // 256
+    parts = dict(d=(torch.rand(rows, supers, generator=g) * 1e-3 + 1e-4).half().float(),
+                 dmin=(torch.rand(rows, supers, generator=g) * 1e-3 + 1e-4).half().float(),
+                 scales=torch.randint(0, 64, (rows, supers, 8), generator=g),
+                 mins=torch.randint(0, 64, (rows, supers, 8), generator=g),
+                 q=torch.randint(0, 16, (rows, cols), generator=g))
+    d, dmin = parts["d"].double()[..., None], parts["dmin"].double()[..., None]
+    sub_scale = (d * parts["scales"]).view(rows, -1, 1)  # (rows, sub-blocks, 1)
+    sub_min = (dmin * parts["mins"]).view(rows, -1, 1)
+    weights = (sub_scale * parts["q"].double().view(rows, -1, 32) - sub_min).view(rows, cols)
+    return parts, weights
+
+
 def random_blocks(kind: str, rows: int, cols: int, seed: int) -> Blocks:
     """Codes over their whole range and f16 scales of a realistic size (d ~ 1e-3..1e-2, m ~ -8d)."""
+    if kind == "Q4_K":
+        parts, _ = random_q4_k(rows, cols, seed)
+        return decode_q4_k(encode_q4_k(**parts), rows, cols)
     g = torch.Generator().manual_seed(seed)
     d = (torch.rand(rows, cols // 32, generator=g) * 0.01 + 0.001).half().float()
     if kind == "Q4_1":
@@ -42,15 +63,35 @@ def test_blocks_round_trip_through_gguf_bytes(kind):
     assert back.stored_bytes == 48 * 3 * (20 if kind == "Q4_1" else 34)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_q4_k_decoder_equals_gguf_dequantizer_bit_for_bit():
+    """Arbitrary bytes (every scale/min bit pattern, every nibble) decode to gguf's own float32
+    dequantization exactly, and blocks built from known parts decode to those parts' float64 weights."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (6, 3, 144), dtype=np.uint8)
+    raw[..., 0:4] = rng.uniform(-0.02, 0.02, (6, 3, 2)).astype(np.float16).view(np.uint8)  # finite d, dmin
+    raw = raw.reshape(6, 3 * 144)
+    ours = decode_q4_k(raw, 6, 768)
+    theirs = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(6, 768)
+    assert np.array_equal(ours.dequantize(torch.float32).numpy().view(np.uint32), theirs.view(np.uint32))
+    assert ours.stored_bytes == 6 * 3 * 144
+    parts, weights = random_q4_k(8, 512, seed=8)
+    assert torch.equal(decode_q4_k(encode_q4_k(**parts), 8, 512).dequantize(), weights)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("rows", [1, 5, PACKED_KERNEL_MAX_ROWS + 3])
 def test_packed_layer_is_the_gguf_matrix(kind, rows):
     """float32 through the kernel (few rows) or a dequantized GEMM (many) equals x . W^T in float64
     with W dequantized from the blocks: the only difference is the order of float32 additions."""
-    blocks = random_blocks(kind, 64, 96, seed=2)
+    cols = 512 if kind == "Q4_K" else 96  # Q4_K: super-blocks of 256
+    blocks = random_blocks(kind, 64, cols, seed=2)
     bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
     layer = packed_from_blocks(blocks, torch.float32, bias)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4))
     expected = F.linear(x.double(), blocks.dequantize(), bias.double())
     got = layer(x).double()
     scale = expected.abs().max()
@@ -72,10 +113,22 @@ def test_q8_0_splits_into_int4_halves_exactly():
     assert torch.equal(layer(eye[:4]).t(), (q.float() * 0.5)[:, :4])
 
 
-def test_bf16_kernel_stays_within_bf16_rounding():
-    blocks = random_blocks("Q4_1", 64, 96, seed=5)
+def test_q4_k_packed_layer_reads_the_gguf_weights_back():
+    """One-hot rows through the kernel read single Q4_K weights back (d * sc * q - dmin * m, from the
+    parts, not from our decoder): a wrong code, scale or zero offset shows here."""
+    parts, weights = random_q4_k(16, 256, seed=9)
+    layer = packed_from_blocks(decode_q4_k(encode_q4_k(**parts), 16, 256), torch.float32)
+    assert layer.kind == "Q4_K" and layer.stored_bytes == 16 * 144
+    read = layer(torch.eye(256)[:PACKED_KERNEL_MAX_ROWS]).t()  # (16 rows, first 16 columns)
+    assert torch.equal(read.double(), weights[:, :PACKED_KERNEL_MAX_ROWS].float().double())
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+def test_bf16_kernel_stays_within_bf16_rounding(kind):
+    cols = 512 if kind == "Q4_K" else 96
+    blocks = random_blocks(kind, 64, cols, seed=5)
     layer = packed_from_blocks(blocks, torch.bfloat16)
-    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(6))
     expected = F.linear(x.bfloat16().double(), blocks.dequantize())
     assert (layer(x.bfloat16()).double() - expected).abs().max() <= 2 ** -6 * expected.abs().max()
 

@@ -2,13 +2,22 @@
 into dense weights unless asked.
 
 The container (header, metadata, tensor table) is parsed by the `gguf` package; the block layouts
-are decoded here, from the format's definition (ggml's block_q4_1 and block_q8_0):
+are decoded here, from the format's definition (ggml's block_q4_1, block_q8_0 and block_q4_K):
 
     Q4_1, 20 bytes per 32 weights: d (f16), m (f16), 16 bytes of nibbles; weight j of the block is
           d * q_j + m, with q_j = byte[j] & 15 for j < 16 and byte[j - 16] >> 4 for j >= 16.
     Q8_0, 34 bytes per 32 weights: d (f16), 32 int8 q_j; weight j is d * q_j.
+    Q4_K, 144 bytes per 256 weights (8 sub-blocks of 32): d (f16), dmin (f16), 12 bytes of 6-bit
+          scales sc_s and mins m_s, 128 bytes of nibbles; weight j of sub-block s is
+          d * sc_s * q_j - dmin * m_s. The nibbles come in 4 runs of 32 bytes: run r holds
+          sub-block 2r in its low nibbles and 2r + 1 in its high ones. The 12 scale bytes:
+              bytes 0-3   low 6 bits: sc_0..3,  top 2 bits: bits 4-5 of sc_4..7
+              bytes 4-7   low 6 bits: m_0..3,   top 2 bits: bits 4-5 of m_4..7
+              bytes 8-11  low nibble: bits 0-3 of sc_4..7, high nibble: bits 0-3 of m_4..7
+          Per sub-block that is Q4_1's form, d_s * q + m_s with d_s = d * sc_s and m_s = -dmin * m_s:
+          both products of an f16 and a 6-bit integer (17 significant bits), exact in float32.
 
-Other types (Qwen's Q4_K/Q6_K, ...) are handed out dense through gguf's own dequantizer.
+Other types (Qwen's Q6_K, Q5_0, ...) are handed out dense through gguf's own dequantizer.
 """
 from __future__ import annotations
 
@@ -21,16 +30,19 @@ import torch
 from .config import ModelConfig
 from .errors import UserError
 
-BLOCK = 32  # weights per block in Q4_1 and Q8_0
-STORED_TYPES = ("Q4_1", "Q8_0")
+BLOCK = 32  # weights per block in Q4_1 and Q8_0, per sub-block in Q4_K
+SUPER_BLOCK = 256  # weights per Q4_K super-block
+STORED_TYPES = ("Q4_1", "Q8_0", "Q4_K")
+BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144 // (SUPER_BLOCK // BLOCK)}  # of 32 weights
 
 
 @dataclass
 class Blocks:
-    """One quantized matrix (rows, cols): integer codes and per-32-block f16 scales as float32.
+    """One quantized matrix (rows, cols): integer codes and per-32-block scales as float32.
 
-    Q4_1: q uint8 in [0, 15], weight = d * q + m.   Q8_0: q int8, weight = d * q (m is None).
-    d and m are (rows, cols // 32); float32 holds every f16 exactly.
+    Q4_1, Q4_K: q uint8 in [0, 15], weight = d * q + m.   Q8_0: q int8, weight = d * q (m is None).
+    d and m are (rows, cols // 32); float32 holds them exactly (f16 values, or for Q4_K an f16 times
+    a 6-bit integer).
     """
 
     kind: str
@@ -45,8 +57,7 @@ class Blocks:
     @property
     def stored_bytes(self) -> int:
         """Bytes of the GGUF's own blocks for this matrix."""
-        per_block = {"Q4_1": 20, "Q8_0": 34}[self.kind]
-        return self.q.numel() // BLOCK * per_block
+        return self.q.numel() // BLOCK * BYTES_PER_BLOCK[self.kind]
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The dense weights, computed in float64 (exact for f16 scales and small integer codes)."""
@@ -74,6 +85,53 @@ def decode_q8_0(raw: np.ndarray, rows: int, cols: int) -> Blocks:
     d = b[..., :2].contiguous().view(torch.float16).float()[..., 0]
     q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
     return Blocks("Q8_0", q, d.contiguous(), None)
+
+
+Q4_K_BYTES = 144
+
+
+def unpack_q4_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and 8 six-bit mins of each super-block from its 12 packed bytes
+    (..., 12) -> two (..., 8) uint8 tensors (layout in the module docstring)."""
+    first, second, third = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([first & 63, (third & 15) | ((first >> 6) << 4)], dim=-1)
+    mins = torch.cat([second & 63, (third >> 4) | ((second >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
+def pack_q4_k_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The inverse of unpack_q4_k_scales: (..., 8) six-bit scales and mins -> (..., 12) bytes."""
+    first = (scales[..., :4] & 63) | ((scales[..., 4:] >> 4) << 6)
+    second = (mins[..., :4] & 63) | ((mins[..., 4:] >> 4) << 6)
+    third = (scales[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4)
+    return torch.cat([first, second, third], dim=-1)
+
+
+def decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> Blocks:
+    """Q4_K as 32-weight blocks of Q4_1's form (d_s, m_s per sub-block; see the module docstring)."""
+    if cols % SUPER_BLOCK:
+        raise UserError(f"a Q4_K matrix needs columns in multiples of {SUPER_BLOCK}, got {cols}")
+    b = torch.from_numpy(np.array(raw)).view(rows, cols // SUPER_BLOCK, Q4_K_BYTES)
+    d, dmin = b[..., 0:4].contiguous().view(torch.float16).float().unbind(-1)  # (rows, supers) each
+    scales, mins = unpack_q4_k_scales(b[..., 4:16])
+    nibbles = b[..., 16:].reshape(rows, cols // SUPER_BLOCK, 4, 1, 32)  # 4 runs of 32 bytes
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-2)  # run r -> sub-blocks 2r (low), 2r + 1 (high)
+    sub_d = (d[..., None] * scales.float()).reshape(rows, -1)  # exact: 11 x 6 significant bits
+    sub_m = (-dmin[..., None] * mins.float()).reshape(rows, -1)
+    return Blocks("Q4_K", q.reshape(rows, cols).contiguous(), sub_d.contiguous(), sub_m.contiguous())
+
+
+def encode_q4_k(d: torch.Tensor, dmin: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                q: torch.Tensor) -> np.ndarray:
+    """The GGUF bytes of Q4_K super-blocks, for tests: d, dmin (rows, supers) f16-representable,
+    scales and mins (rows, supers, 8) in [0, 63], q (rows, cols) in [0, 15]."""
+    rows, cols = q.shape
+    supers = cols // SUPER_BLOCK
+    header = torch.stack([d, dmin], dim=-1).to(torch.float16).view(torch.uint8).view(rows, supers, 4)
+    packed = pack_q4_k_scales(scales.to(torch.uint8), mins.to(torch.uint8))
+    runs = q.to(torch.uint8).view(rows, supers, 4, 2, 32)
+    nibbles = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(rows, supers, 128)
+    return torch.cat([header, packed, nibbles], dim=-1).reshape(rows, -1).numpy()
 
 
 def encode_blocks(blocks: Blocks) -> np.ndarray:
@@ -120,10 +178,10 @@ class GgufCheckpoint:
         return value
 
     def blocks(self, name: str) -> Blocks:
-        """A Q4_1 or Q8_0 matrix as stored."""
+        """A Q4_1, Q8_0 or Q4_K matrix as stored."""
         t = self._tensor(name)
         cols, rows = (int(n) for n in t.shape)  # GGUF lists the fastest dimension first
-        decode = {"Q4_1": decode_q4_1, "Q8_0": decode_q8_0}.get(t.tensor_type.name)
+        decode = {"Q4_1": decode_q4_1, "Q8_0": decode_q8_0, "Q4_K": decode_q4_k}.get(t.tensor_type.name)
         if decode is None:
             raise UserError(f"{name} is {t.tensor_type.name}, not one of {STORED_TYPES}")
         return decode(t.data, rows, cols)
@@ -138,8 +196,8 @@ class GgufCheckpoint:
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # writable copy
 
     def stored_share(self) -> float:
-        """The fraction of matrix weights in a type computed as stored (Q4_1, Q8_0): SmolLM2's GGUF
-        is all of them, Qwen's Q4_K_M none (those stay on the dense path)."""
+        """The fraction of matrix weights in a type computed as stored (STORED_TYPES): SmolLM2's GGUF
+        is all of them, Qwen2.5-Coder-1.5B's Q4_K_M 76% (Q4_K; its Q6_K stays dense)."""
         sizes = {t.name: int(t.n_elements) for t in self.tensors.values() if len(t.shape) == 2}
         stored = sum(n for name, n in sizes.items() if self.kind(name) in STORED_TYPES)
         return stored / max(1, sum(sizes.values()))

@@ -6,6 +6,12 @@ The kernel computes with groups of 32 weights along K, each w = (code - 8) * sca
 [0, 15] (checked against float64 in tests/model/test_stored.py). GGUF types map onto it exactly:
 
     Q4_1  w = d * q + m            -> code q, scale d, zero m + 8d
+    Q4_K  w = d * sc_s * q - dmin * m_s, per 32-weight sub-block s -> Q4_1's form with d_s = d * sc_s
+          and m_s = -dmin * m_s (gguf_blocks.decode_q4_k): code q, scale d * sc_s, zero
+          8 * d * sc_s - dmin * m_s. Scale and both terms of the zero are exact in float32 (an f16 times
+          a 6-bit integer); the zero's difference was exact in every sub-block of Qwen2.5-Coder-1.5B's
+          Q4_K tensors checked (docs/results/2026-11-23-cpu-bytes.md). Q6_K cannot map: its scales
+          change every 16 weights and the kernel's smallest group is 32.
     Q8_0  w = d * q, q in [-128,127] -> q = 16 * hi + lo with hi in [-8, 7], lo in [0, 15]: two int4
           matrices side by side along K, [hi + 8 | lo] with scales [16d | d] and zeros [0 | 8d], and
           the input repeated, [x | x]. Every partial weight is a small integer times d: exact.
@@ -97,9 +103,9 @@ class PackedLinear(nn.Module):
 
 
 def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | None = None) -> PackedLinear:
-    """The exact int4-group form of a Q4_1 or Q8_0 matrix (see the module docstring)."""
-    if blocks.kind == "Q4_1":
-        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, "Q4_1")
+    """The exact int4-group form of a Q4_1, Q4_K or Q8_0 matrix (see the module docstring)."""
+    if blocks.kind in ("Q4_1", "Q4_K"):  # Q4_K arrives decoded into Q4_1's per-32 form
+        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind)
     elif blocks.kind == "Q8_0":
         q = blocks.q.to(torch.int16)
         hi, lo = (q >> 4) + 8, q & 15  # arithmetic shift: q = 16 * (hi - 8) + lo
