@@ -138,32 +138,39 @@ def test_bf16_kernel_stays_within_bf16_rounding(kind):
 CFG = dict(hidden=64, heads=4, kv_heads=2, inter=96, layers=2, vocab=48)
 
 
-def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False):
-    """A tiny llama GGUF: Q4_1 matrices, a Q8_0 token embedding tied to the head (SmolLM2's layout),
-    float32 norms. Returns {GGUF name: Blocks or tensor} as written."""
+def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cfg=CFG, kept_dense=()):
+    """A tiny llama GGUF: `kind` matrices, a `head_kind` token embedding tied to the head (SmolLM2's
+    layout: Q4_1 and Q8_0), float32 norms; the matrices named in `kept_dense` are written as float16,
+    as a type the kernel does not take (Qwen's Q6_K). Returns {GGUF name: Blocks or tensor} as written."""
     import gguf
 
-    h, inter = CFG["hidden"], CFG["inter"]
-    head_dim = h // CFG["heads"]
+    h, inter = cfg["hidden"], cfg["inter"]
+    head_dim = h // cfg["heads"]
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(CFG["layers"])
+    w.add_block_count(cfg["layers"])
     w.add_context_length(512)
     w.add_embedding_length(h)
     w.add_feed_forward_length(inter)
-    w.add_head_count(CFG["heads"])
-    w.add_head_count_kv(CFG["kv_heads"])
+    w.add_head_count(cfg["heads"])
+    w.add_head_count_kv(cfg["kv_heads"])
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     written = {}
     g = torch.Generator().manual_seed(seed)
 
     def matrix(name, kind, rows, cols):
-        blocks = random_blocks(kind, rows, cols, seed=len(written) + 100 * seed)
-        if dense:  # a type the packed kernel does not take (as Qwen's Q4_K): written as float16
+        raw = None
+        if kind == "Q4_K":  # written from its parts: decoded Q4_K blocks have no encoder
+            parts, _ = random_q4_k(rows, cols, seed=len(written) + 100 * seed)
+            raw = encode_q4_k(**parts)
+            blocks = decode_q4_k(raw, rows, cols)
+        else:
+            blocks = random_blocks(kind, rows, cols, seed=len(written) + 100 * seed)
+        if dense or name in kept_dense:  # a type the packed kernel does not take (as Qwen's Q6_K): written as float16
             w.add_tensor(name, blocks.dequantize(torch.float16).numpy())
             written[name] = blocks.dequantize(torch.float16).double()
             return
-        w.add_tensor(name, encode_blocks(blocks), raw_dtype=gguf.GGMLQuantizationType[kind])
+        w.add_tensor(name, encode_blocks(blocks) if raw is None else raw, raw_dtype=gguf.GGMLQuantizationType[kind])
         written[name] = blocks
 
     def vector(name, n):
@@ -171,19 +178,19 @@ def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False):
         w.add_tensor(name, value.numpy())
         written[name] = value
 
-    matrix("token_embd.weight", head_kind, CFG["vocab"], h)
+    matrix("token_embd.weight", head_kind, cfg["vocab"], h)
     vector("output_norm.weight", h)
-    for i in range(CFG["layers"]):
+    for i in range(cfg["layers"]):
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", h)
         vector(p + "ffn_norm.weight", h)
-        matrix(p + "attn_q.weight", "Q4_1", CFG["heads"] * head_dim, h)
-        matrix(p + "attn_k.weight", "Q4_1", CFG["kv_heads"] * head_dim, h)
-        matrix(p + "attn_v.weight", "Q4_1", CFG["kv_heads"] * head_dim, h)
-        matrix(p + "attn_output.weight", "Q4_1", h, h)
-        matrix(p + "ffn_gate.weight", "Q4_1", inter, h)
-        matrix(p + "ffn_up.weight", "Q4_1", inter, h)
-        matrix(p + "ffn_down.weight", "Q4_1", h, inter)
+        matrix(p + "attn_q.weight", kind, cfg["heads"] * head_dim, h)
+        matrix(p + "attn_k.weight", kind, cfg["kv_heads"] * head_dim, h)
+        matrix(p + "attn_v.weight", kind, cfg["kv_heads"] * head_dim, h)
+        matrix(p + "attn_output.weight", kind, h, h)
+        matrix(p + "ffn_gate.weight", kind, inter, h)
+        matrix(p + "ffn_up.weight", kind, inter, h)
+        matrix(p + "ffn_down.weight", kind, h, inter)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -256,6 +263,73 @@ def test_greedy_on_stored_weights_is_autoregressive(tiny_gguf, mode, use_drafter
     result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
     assert result.tokens == reference.tokens
     assert result.stats.full_passes < 39
+
+
+# --- Qwen2.5-Coder's Q4_K_M layout: Q4_K matrices, some kept dense (its Q6_K) -------------------------
+
+Q4K_CFG = dict(hidden=256, heads=4, kv_heads=2, inter=512, layers=2, vocab=48)  # Q4_K: columns of 256
+Q6K_STAND_INS = ("blk.0.attn_v.weight", "blk.1.ffn_down.weight")  # where Q4_K_M puts Q6_K
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4k.gguf"
+    return path, write_tiny_gguf(path, seed=3, head_kind="Q4_K", kind="Q4_K", cfg=Q4K_CFG,
+                                 kept_dense=Q6K_STAND_INS)
+
+
+def test_q4_k_model_is_packed_where_it_can_be_and_equals_the_dense_gguf_model(tiny_q4_k_gguf):
+    """Q4_K projections are packed; a fused projection with a part of a dense type (layer 0's q, k, v
+    with v dense) is dense; logits equal the float64 dense model's to float accumulation order."""
+    path, _ = tiny_q4_k_gguf
+    stored = load_gguf_model(path, torch.float32, stored=True)
+    dense = load_gguf_model(path, torch.float64, stored=False)
+    assert isinstance(stored.lm_head, PackedLinear) and stored.lm_head.kind == "Q4_K"
+    assert isinstance(stored.layers[1].attention.wqkv, PackedLinear)
+    assert isinstance(stored.layers[0].attention.wqkv, torch.nn.Linear)
+    assert isinstance(stored.layers[1].mlp.w2, torch.nn.Linear) and isinstance(stored.layers[0].mlp.w2, PackedLinear)
+    for n in (3, PACKED_KERNEL_MAX_ROWS + 8):
+        ids = torch.arange(n) % 48
+        a = stored(ids, FullCache(stored.kv_shape(), 64)).double()
+        b = dense(ids, FullCache(dense.kv_shape(), 64))
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    summary = weights_summary(load_gguf_model(path, torch.bfloat16, stored=True))
+    assert summary["format"] == "gguf Q4_K packed int4, bfloat16 dense"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("retrieval", False), ("triforce", True),
+                                              ("triforce", False)])
+def test_greedy_on_stored_q4_k_weights_is_autoregressive(tiny_q4_k_gguf, dtype, mode, use_drafter):
+    """bfloat16 runs the kernel's fast path (bf16 scales and zeros), float32 its exact one."""
+    path, _ = tiny_q4_k_gguf
+    target = load_gguf_model(path, dtype, stored=True)
+    drafter = load_gguf_model(path, dtype, stored=False)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)).to(dtype))
+    ids = torch.randint(0, 48, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = GenerationConfig(max_new_tokens=40, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                           sink_tokens=4)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
+    assert result.tokens == reference.tokens
+    assert result.stats.full_passes < 39
+
+
+def test_auto_counts_a_mostly_q4_k_gguf_as_stored(tiny_q4_k_gguf, monkeypatch):
+    """Q4_K counts toward the stored share (the float16 stand-ins for Q6_K do not); with the kernel
+    paying (machine-dependent, so forced here) `auto` picks stored, below half it stays dense."""
+    from triforce.model import gguf_loader
+
+    path, written = tiny_q4_k_gguf
+    total = sum(v.q.numel() if isinstance(v, Blocks) else v.numel() for k, v in written.items() if "norm" not in k)
+    kept = sum(written[name].numel() for name in Q6K_STAND_INS)
+    assert GgufCheckpoint(path).stored_share() == pytest.approx(1 - kept / total)
+    monkeypatch.setattr(gguf_loader, "stored_kernel_pays", lambda dtype: True)
+    assert resolve_weights("auto", path, "cpu", torch.bfloat16) == "stored"
+    monkeypatch.setattr(gguf_loader, "MIN_STORED_SHARE", 1 - kept / total + 0.01)
+    assert resolve_weights("auto", path, "cpu", torch.bfloat16) == "dequantized"
 
 
 def test_prepared_folder_finds_its_gguf_and_loads_either_way(tiny_gguf, tmp_path):

@@ -144,8 +144,10 @@ def encode_blocks(blocks: Blocks) -> np.ndarray:
         q = blocks.q.to(torch.uint8).view(rows, cols // BLOCK, BLOCK)
         nibbles = q[..., :16] | (q[..., 16:] << 4)
         out = torch.cat([d, m, nibbles], dim=-1)
-    else:
+    elif blocks.kind == "Q8_0":
         out = torch.cat([d, blocks.q.to(torch.int8).view(torch.uint8).view(rows, cols // BLOCK, BLOCK)], dim=-1)
+    else:  # Q4_K's per-32 d and m are products with a super-block's d: not invertible from them alone
+        raise ValueError(f"no encoder from decoded {blocks.kind} blocks; encode_q4_k takes its parts")
     return out.reshape(rows, -1).numpy()
 
 
