@@ -332,6 +332,25 @@ def test_auto_counts_a_mostly_q4_k_gguf_as_stored(tiny_q4_k_gguf, monkeypatch):
     assert resolve_weights("auto", path, "cpu", torch.bfloat16) == "dequantized"
 
 
+def test_a_share_recorded_with_other_stored_types_is_recounted(tiny_q4_k_gguf, tmp_path):
+    """Folders prepared before Q4_K was a stored type recorded Qwen's share as 0: the loader counts
+    again from the GGUF unless the marker names the types of today."""
+    import hashlib
+
+    from triforce.model.gguf_blocks import STORED_TYPES
+    from triforce.model.gguf_loader import stored_share
+
+    path, _ = tiny_q4_k_gguf
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    marker = {"source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "source_gguf": str(path),
+              "gguf_stored_share": 0.0}
+    (folder / ".prepared.json").write_text(json.dumps(marker))
+    assert stored_share(folder) == GgufCheckpoint(path).stored_share() > 0.5
+    (folder / ".prepared.json").write_text(json.dumps({**marker, "gguf_stored_types": list(STORED_TYPES)}))
+    assert stored_share(folder) == 0.0
+
+
 def test_prepared_folder_finds_its_gguf_and_loads_either_way(tiny_gguf, tmp_path):
     """A folder whose marker records the GGUF (and its SHA-256) loads stored; a wrong hash or no
     marker falls back to the folder's own weights, and weights=stored then says why not."""

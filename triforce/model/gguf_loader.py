@@ -109,12 +109,15 @@ MIN_STORED_SHARE = 0.5  # below this most matrices would be dense anyway: the fo
 
 def stored_share(folder: str | Path) -> float:
     """The share of the model's matrix weights the packed kernel can take, from the folder's marker
-    (prepare records it) or, for older folders and GGUF paths, from the GGUF's tensor table."""
+    (prepare records it, with the types it counted) or, for older folders, markers counted with other
+    types (before Q4_K, Qwen's were recorded as 0) and GGUF paths, from the GGUF's tensor table."""
     folder = Path(folder)
     if folder.is_dir():
         try:
-            return float(json.loads((folder / MARKER).read_text())["gguf_stored_share"])
-        except (OSError, ValueError, KeyError, TypeError):
+            meta = json.loads((folder / MARKER).read_text())
+            if meta.get("gguf_stored_types") == list(STORED_TYPES):
+                return float(meta["gguf_stored_share"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
         folder = gguf_origin(folder)
     return open_checkpoint(str(folder)).stored_share()
