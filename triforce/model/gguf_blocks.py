@@ -32,8 +32,9 @@ from .errors import UserError
 
 BLOCK = 32  # weights per block in Q4_1 and Q8_0, per sub-block in Q4_K
 SUPER_BLOCK = 256  # weights per Q4_K super-block
+Q4_K_BYTES = 144  # per super-block: d, dmin (2 + 2), packed scales and mins (12), nibbles (128)
 STORED_TYPES = ("Q4_1", "Q8_0", "Q4_K")
-BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144 // (SUPER_BLOCK // BLOCK)}  # of 32 weights
+BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q4_K": Q4_K_BYTES // (SUPER_BLOCK // BLOCK)}  # of 32 weights
 
 
 @dataclass
@@ -85,9 +86,6 @@ def decode_q8_0(raw: np.ndarray, rows: int, cols: int) -> Blocks:
     d = b[..., :2].contiguous().view(torch.float16).float()[..., 0]
     q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
     return Blocks("Q8_0", q, d.contiguous(), None)
-
-
-Q4_K_BYTES = 144
 
 
 def unpack_q4_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
