@@ -1,4 +1,4 @@
-"""Weights as stored: GGUF Q4_1/Q8_0/Q4_K blocks computed through torch's packed int4 kernel.
+"""Weights as stored: GGUF Q4_1/Q8_0/Q5_0/Q4_K blocks computed through torch's packed int4 kernel.
 
 Every checkpoint here is built in memory from random blocks (gguf's writer, no downloads). The packed
 layers must be the GGUF's own weights (float64 dequantization of the blocks) to float accumulation
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from triforce.model.errors import UserError
-from triforce.model.gguf_blocks import (Blocks, GgufCheckpoint, decode_q4_1, decode_q4_k, decode_q8_0, encode_blocks,
-                                        encode_q4_k)
+from triforce.model.gguf_blocks import (Blocks, GgufCheckpoint, decode_q4_1, decode_q4_k, decode_q5_0, decode_q8_0,
+                                        encode_blocks, encode_q4_k)
 from triforce.model.gguf_loader import gguf_origin, load_gguf_model, resolve_weights, weights_summary
 from triforce.model.loader import load_model
-from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, packed_from_blocks
+from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, concat_blocks, packed_from_blocks
 from triforce.speculative import GenerationConfig, Models, generate_ids
 from triforce.speculative.caches import FullCache
 
@@ -50,17 +50,34 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> Blocks:
         q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
         m = (-8 * d * (0.5 + torch.rand(d.shape, generator=g))).half().float()
         return Blocks(kind, q, d, m)
-    return Blocks(kind, torch.randint(-128, 128, (rows, cols), generator=g).to(torch.int8), d, None)
+    low, high = (-16, 16) if kind == "Q5_0" else (-128, 128)
+    return Blocks(kind, torch.randint(low, high, (rows, cols), generator=g).to(torch.int8), d, None)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0"])
 def test_blocks_round_trip_through_gguf_bytes(kind):
     blocks = random_blocks(kind, 48, 96, seed=1)
-    decode = decode_q4_1 if kind == "Q4_1" else decode_q8_0
+    decode = {"Q4_1": decode_q4_1, "Q8_0": decode_q8_0, "Q5_0": decode_q5_0}[kind]
     back = decode(encode_blocks(blocks), 48, 96)
     assert torch.equal(back.q.to(torch.int16), blocks.q.to(torch.int16)) and torch.equal(back.d, blocks.d)
-    assert back.m is None if kind == "Q8_0" else torch.equal(back.m, blocks.m)
-    assert back.stored_bytes == 48 * 3 * (20 if kind == "Q4_1" else 34)
+    assert back.m is None if kind != "Q4_1" else torch.equal(back.m, blocks.m)
+    assert back.stored_bytes == 48 * 3 * {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22}[kind]
+
+
+def test_q5_0_decoder_equals_gguf_dequantizer_bit_for_bit():
+    """Arbitrary bytes (every high-bit word, every nibble) decode to gguf's own float32 values."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(11)
+    raw = rng.integers(0, 256, (6, 3, 22), dtype=np.uint8)
+    raw[..., 0:2] = rng.uniform(-0.02, 0.02, (6, 3, 1)).astype(np.float16).view(np.uint8)  # finite d
+    raw = raw.reshape(6, 66)
+    ours = decode_q5_0(raw, 6, 96)
+    theirs = dequantize(raw, GGMLQuantizationType.Q5_0).reshape(6, 96)
+    assert np.array_equal(ours.dequantize(torch.float32).numpy().view(np.uint32), theirs.view(np.uint32))
+    assert ours.q.min() >= -16 and ours.q.max() <= 15
 
 
 def test_q4_k_decoder_equals_gguf_dequantizer_bit_for_bit():
@@ -82,13 +99,17 @@ def test_q4_k_decoder_equals_gguf_dequantizer_bit_for_bit():
     assert torch.equal(decode_q4_k(encode_q4_k(**parts), 8, 512).dequantize(), weights)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_0+Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, PACKED_KERNEL_MAX_ROWS + 3])
 def test_packed_layer_is_the_gguf_matrix(kind, rows):
     """float32 through the kernel (few rows) or a dequantized GEMM (many) equals x . W^T in float64
     with W dequantized from the blocks: the only difference is the order of float32 additions."""
     cols = 512 if kind == "Q4_K" else 96  # Q4_K: super-blocks of 256
-    blocks = random_blocks(kind, 64, cols, seed=2)
+    if "+" in kind:  # a fused projection of two kinds of one form (Qwen2.5-0.5B's q, k Q5_0 and v Q8_0)
+        blocks = concat_blocks([random_blocks(part, 32, cols, seed=2 + i) for i, part in enumerate(kind.split("+"))])
+        assert blocks.stored_bytes == 32 * 3 * (22 + 34)
+    else:
+        blocks = random_blocks(kind, 64, cols, seed=2)
     bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
     layer = packed_from_blocks(blocks, torch.float32, bias)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4))
@@ -138,10 +159,10 @@ def test_bf16_kernel_stays_within_bf16_rounding(kind):
 CFG = dict(hidden=64, heads=4, kv_heads=2, inter=96, layers=2, vocab=48)
 
 
-def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cfg=CFG, kept_dense=()):
+def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cfg=CFG, kept_dense=(), kinds=None):
     """A tiny llama GGUF: `kind` matrices, a `head_kind` token embedding tied to the head (SmolLM2's
     layout: Q4_1 and Q8_0), float32 norms; the matrices named in `kept_dense` are written as float16,
-    as a type the kernel does not take (Qwen's Q6_K). Returns {GGUF name: Blocks or tensor} as written."""
+    as a type the kernel does not take (Qwen's Q6_K); `kinds` names other types for some matrices. Returns {GGUF name: Blocks or tensor} as written."""
     import gguf
 
     h, inter = cfg["hidden"], cfg["inter"]
@@ -159,6 +180,7 @@ def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cf
     g = torch.Generator().manual_seed(seed)
 
     def matrix(name, kind, rows, cols):
+        kind = (kinds or {}).get(name, kind)
         raw = None
         if kind == "Q4_K":  # written from its parts: decoded Q4_K blocks have no encoder
             parts, _ = random_q4_k(rows, cols, seed=len(written) + 100 * seed)
@@ -300,9 +322,10 @@ def test_q4_k_model_is_packed_where_it_can_be_and_equals_the_dense_gguf_model(ti
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("retrieval", False), ("triforce", True),
                                               ("triforce", False)])
-def test_greedy_on_stored_q4_k_weights_is_autoregressive(tiny_q4_k_gguf, dtype, mode, use_drafter):
+@pytest.mark.parametrize("model", ["tiny_q4_k_gguf", "tiny_q5_0_gguf"])
+def test_greedy_on_stored_q4_k_m_weights_is_autoregressive(request, model, dtype, mode, use_drafter):
     """bfloat16 runs the kernel's fast path (bf16 scales and zeros), float32 its exact one."""
-    path, _ = tiny_q4_k_gguf
+    path, _ = request.getfixturevalue(model)
     target = load_gguf_model(path, dtype, stored=True)
     drafter = load_gguf_model(path, dtype, stored=False)
     with torch.no_grad():
@@ -315,6 +338,34 @@ def test_greedy_on_stored_q4_k_weights_is_autoregressive(tiny_q4_k_gguf, dtype, 
     result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
     assert result.tokens == reference.tokens
     assert result.stats.full_passes < 39
+
+
+# Qwen2.5-Coder-0.5B's Q4_K_M: its 896 columns are no multiple of 256, so most matrices are Q5_0,
+# v and the head Q8_0, some ffn_down Q4_K (columns 4864), others Q6_K
+Q5_0_KINDS = {"blk.0.attn_v.weight": "Q8_0", "blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "Q4_K"}
+
+
+@pytest.fixture(scope="module")
+def tiny_q5_0_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q5_0.gguf"
+    return path, write_tiny_gguf(path, seed=4, head_kind="Q5_0", kind="Q5_0", cfg=Q4K_CFG,
+                                 kept_dense=("blk.0.ffn_down.weight",), kinds=Q5_0_KINDS)
+
+
+def test_q5_0_model_stacks_q5_0_with_q8_0_and_equals_the_dense_gguf_model(tiny_q5_0_gguf):
+    path, _ = tiny_q5_0_gguf
+    stored = load_gguf_model(path, torch.float32, stored=True)
+    dense = load_gguf_model(path, torch.float64, stored=False)
+    wqkv = stored.layers[0].attention.wqkv
+    assert isinstance(wqkv, PackedLinear) and wqkv.kind == "Q5_0+Q8_0"
+    assert stored.layers[1].mlp.w2.kind == "Q4_K" and isinstance(stored.layers[0].mlp.w2, torch.nn.Linear)
+    for n in (3, PACKED_KERNEL_MAX_ROWS + 8):
+        ids = torch.arange(n) % 48
+        a = stored(ids, FullCache(stored.kv_shape(), 64)).double()
+        b = dense(ids, FullCache(dense.kv_shape(), 64))
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    summary = weights_summary(load_gguf_model(path, torch.bfloat16, stored=True))
+    assert summary["format"] == "gguf Q4_K+Q5_0+Q8_0 packed int4, bfloat16 dense"
 
 
 def test_auto_counts_a_mostly_q4_k_gguf_as_stored(tiny_q4_k_gguf, monkeypatch):
@@ -439,3 +490,9 @@ def test_a_gguf_without_stored_types_loads_dense(tmp_path):
     mixed = tmp_path / "stored.gguf"
     write_tiny_gguf(mixed)
     assert GgufCheckpoint(mixed).stored_share() == 1.0
+
+
+def test_kinds_of_different_forms_do_not_stack():
+    """Q4_1's affine codes and Q8_0's signed ones need different packings: no fused stack of both."""
+    with pytest.raises(ValueError, match="forms differ"):
+        concat_blocks([random_blocks("Q4_1", 16, 96, seed=1), random_blocks("Q8_0", 16, 96, seed=2)])

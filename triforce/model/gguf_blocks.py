@@ -2,11 +2,15 @@
 into dense weights unless asked.
 
 The container (header, metadata, tensor table) is parsed by the `gguf` package; the block layouts
-are decoded here, from the format's definition (ggml's block_q4_1, block_q8_0 and block_q4_K):
+are decoded here, from the format's definition (ggml's block_q4_1, block_q8_0, block_q5_0 and
+block_q4_K):
 
     Q4_1, 20 bytes per 32 weights: d (f16), m (f16), 16 bytes of nibbles; weight j of the block is
           d * q_j + m, with q_j = byte[j] & 15 for j < 16 and byte[j - 16] >> 4 for j >= 16.
     Q8_0, 34 bytes per 32 weights: d (f16), 32 int8 q_j; weight j is d * q_j.
+    Q5_0, 22 bytes per 32 weights: d (f16), 4 bytes of high bits (a little-endian uint32, bit j for
+          weight j), 16 bytes of nibbles laid out as Q4_1's; weight j is d * (q_j - 16), q_j the
+          5-bit code. Decoded as Q8_0 is: int8 codes q_j - 16 in [-16, 15] and d.
     Q4_K, 144 bytes per 256 weights (8 sub-blocks of 32): d (f16), dmin (f16), 12 bytes of 6-bit
           scales sc_s and mins m_s, 128 bytes of nibbles; weight j of sub-block s is
           d * sc_s * q_j - dmin * m_s. The nibbles come in 4 runs of 32 bytes: run r holds
@@ -17,7 +21,7 @@ are decoded here, from the format's definition (ggml's block_q4_1, block_q8_0 an
           Per sub-block that is Q4_1's form, d_s * q + m_s with d_s = d * sc_s and m_s = -dmin * m_s:
           both products of an f16 and a 6-bit integer (17 significant bits), exact in float32.
 
-Other types (Qwen's Q6_K, Q5_0, ...) are handed out dense through gguf's own dequantizer.
+Other types (Qwen's Q6_K, ...) are handed out dense through gguf's own dequantizer.
 """
 from __future__ import annotations
 
@@ -33,15 +37,20 @@ from .errors import UserError
 BLOCK = 32  # weights per block in Q4_1 and Q8_0, per sub-block in Q4_K
 SUPER_BLOCK = 256  # weights per Q4_K super-block
 Q4_K_BYTES = 144  # per super-block: d, dmin (2 + 2), packed scales and mins (12), nibbles (128)
-STORED_TYPES = ("Q4_1", "Q8_0", "Q4_K")
-BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q4_K": Q4_K_BYTES // (SUPER_BLOCK // BLOCK)}  # of 32 weights
+STORED_TYPES = ("Q4_1", "Q8_0", "Q5_0", "Q4_K")
+BYTES_PER_BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": Q4_K_BYTES // (SUPER_BLOCK // BLOCK)}  # of 32
+# decoded kinds that share one form (affine 4-bit codes; signed integer codes times d) and so can be
+# stacked into one fused projection (Qwen2.5-0.5B's q, k are Q5_0 where its v is Q8_0)
+FORMS = {"Q4_1": "affine", "Q4_K": "affine", "Q8_0": "signed", "Q5_0": "signed"}
 
 
 @dataclass
 class Blocks:
     """One quantized matrix (rows, cols): integer codes and per-32-block scales as float32.
 
-    Q4_1, Q4_K: q uint8 in [0, 15], weight = d * q + m.   Q8_0: q int8, weight = d * q (m is None).
+    Q4_1, Q4_K: q uint8 in [0, 15], weight = d * q + m.
+    Q8_0, Q5_0: q int8, weight = d * q (m is None).
+    A stack of matrices of one form (concat_blocks) has the kind "Q5_0+Q8_0" and `nbytes` its parts'.
     d and m are (rows, cols // 32); float32 holds them exactly (f16 values, or for Q4_K an f16 times
     a 6-bit integer).
     """
@@ -50,6 +59,7 @@ class Blocks:
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    nbytes: int | None = None  # the GGUF bytes, when not those of one kind (a stack of kinds)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,6 +68,8 @@ class Blocks:
     @property
     def stored_bytes(self) -> int:
         """Bytes of the GGUF's own blocks for this matrix."""
+        if self.nbytes is not None:
+            return self.nbytes
         return self.q.numel() // BLOCK * BYTES_PER_BLOCK[self.kind]
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -86,6 +98,18 @@ def decode_q8_0(raw: np.ndarray, rows: int, cols: int) -> Blocks:
     d = b[..., :2].contiguous().view(torch.float16).float()[..., 0]
     q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
     return Blocks("Q8_0", q, d.contiguous(), None)
+
+
+def decode_q5_0(raw: np.ndarray, rows: int, cols: int) -> Blocks:
+    b = torch.from_numpy(np.array(raw)).view(rows, cols // BLOCK, 22)
+    d = b[..., :2].contiguous().view(torch.float16).float()[..., 0]
+    high_bits = b[..., 2:6].to(torch.int64)  # 4 bytes, little-endian: weight j's bit is bit j % 8 of byte j // 8
+    shifts = torch.arange(8)
+    high = ((high_bits[..., None] >> shifts) & 1).reshape(rows, cols // BLOCK, BLOCK)
+    nibbles = b[..., 6:]
+    low = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
+    q = (low.to(torch.int16) | (high.to(torch.int16) << 4)) - 16
+    return Blocks("Q5_0", q.to(torch.int8).reshape(rows, cols), d.contiguous(), None)
 
 
 def unpack_q4_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +168,11 @@ def encode_blocks(blocks: Blocks) -> np.ndarray:
         out = torch.cat([d, m, nibbles], dim=-1)
     elif blocks.kind == "Q8_0":
         out = torch.cat([d, blocks.q.to(torch.int8).view(torch.uint8).view(rows, cols // BLOCK, BLOCK)], dim=-1)
+    elif blocks.kind == "Q5_0":
+        q = (blocks.q.to(torch.int16) + 16).to(torch.uint8).view(rows, cols // BLOCK, BLOCK)
+        high = ((q >> 4).view(rows, cols // BLOCK, 4, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1)
+        low = q & 15
+        out = torch.cat([d, high.to(torch.uint8), low[..., :16] | (low[..., 16:] << 4)], dim=-1)
     else:  # Q4_K's per-32 d and m are products with a super-block's d: not invertible from them alone
         raise ValueError(f"no encoder from decoded {blocks.kind} blocks; encode_q4_k takes its parts")
     return out.reshape(rows, -1).numpy()
@@ -178,10 +207,10 @@ class GgufCheckpoint:
         return value
 
     def blocks(self, name: str) -> Blocks:
-        """A Q4_1, Q8_0 or Q4_K matrix as stored."""
+        """A matrix of a type in STORED_TYPES as stored."""
         t = self._tensor(name)
         cols, rows = (int(n) for n in t.shape)  # GGUF lists the fastest dimension first
-        decode = {"Q4_1": decode_q4_1, "Q8_0": decode_q8_0, "Q4_K": decode_q4_k}.get(t.tensor_type.name)
+        decode = {"Q4_1": decode_q4_1, "Q8_0": decode_q8_0, "Q5_0": decode_q5_0, "Q4_K": decode_q4_k}.get(t.tensor_type.name)
         if decode is None:
             raise UserError(f"{name} is {t.tensor_type.name}, not one of {STORED_TYPES}")
         return decode(t.data, rows, cols)
@@ -197,7 +226,8 @@ class GgufCheckpoint:
 
     def stored_share(self) -> float:
         """The fraction of matrix weights in a type computed as stored (STORED_TYPES): SmolLM2's GGUF
-        is all of them, Qwen2.5-Coder-1.5B's Q4_K_M 76% (Q4_K; its Q6_K stays dense)."""
+        is all of them, Qwen2.5-Coder's Q4_K_M 76% (1.5B: Q4_K) and 92% (0.5B: Q5_0, Q8_0, Q4_K);
+        their Q6_K stays dense."""
         sizes = {t.name: int(t.n_elements) for t in self.tensors.values() if len(t.shape) == 2}
         stored = sum(n for name, n in sizes.items() if self.kind(name) in STORED_TYPES)
         return stored / max(1, sum(sizes.values()))

@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import UserError
-from .gguf_blocks import STORED_TYPES, GgufCheckpoint
+from .gguf_blocks import FORMS, STORED_TYPES, GgufCheckpoint
 from .rope import Rotary
 from .stored import PackedLinear, _int4_kernels_available, concat_blocks, packed_from_blocks
 from .transformer import Transformer
@@ -159,9 +159,10 @@ class _Source:
         return w
 
     def linear(self, names: list[str], bias: torch.Tensor | None) -> nn.Module:
-        """One (fused) projection: packed when every part is of one stored type, else dense."""
+        """One (fused) projection: packed when every part is of a stored type and all of one packed
+        form (FORMS), else dense."""
         kinds = {self.ckpt.kind(n) for n in names}
-        if self.stored and len(kinds) == 1 and kinds <= set(STORED_TYPES):
+        if self.stored and kinds <= set(STORED_TYPES) and len({FORMS[k] for k in kinds}) == 1:
             return packed_from_blocks(concat_blocks([self.blocks(n) for n in names]), self.dtype, bias)
         weight = torch.cat([self.dense(n) for n in names]).to(self.dtype)
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -215,7 +216,7 @@ def weights_summary(model: nn.Module) -> dict:
     for module in model.modules():
         if isinstance(module, PackedLinear):
             packed += module.bytes_per_row_pass()
-            kinds.add(module.kind)
+            kinds.update(module.kind.split("+"))  # a stack of kinds (Q5_0+Q8_0) counts each
         elif isinstance(module, nn.Linear):
             dense_bytes += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
             dense_dtypes.add(str(module.weight.dtype).removeprefix("torch."))
