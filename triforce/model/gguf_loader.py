@@ -71,24 +71,17 @@ def stored_kernel_pays(dtype: torch.dtype) -> bool:
     scales_and_zeros = torch.full((cols // 32, rows, 2), 0.01, dtype=dtype)
     x = torch.ones(1, cols, dtype=dtype)
 
-    def seconds(fn) -> float:
-        start = time.perf_counter()
+    def best(fn) -> float:
         fn()
-        return time.perf_counter() - start
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
 
-    def kernel_call():
-        torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
-
-    def plain_call():
-        torch.nn.functional.linear(x, dense)
-
-    # alternating, best of 7 each: on a shared machine a busy spell (once 15 ms for a 1 ms kernel
-    # call, docs/results/2026-11-23-cpu-bytes.md) then falls on both, and the best is still seen
-    kernel_call(), plain_call()
-    kernel, plain = float("inf"), float("inf")
-    for _ in range(7):
-        kernel = min(kernel, seconds(kernel_call))
-        plain = min(plain, seconds(plain_call))
+    kernel = best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros))
+    plain = best(lambda: torch.nn.functional.linear(x, dense))
     return kernel < 0.7 * plain
 
 
