@@ -496,3 +496,10 @@ def test_kinds_of_different_forms_do_not_stack():
     """Q4_1's affine codes and Q8_0's signed ones need different packings: no fused stack of both."""
     with pytest.raises(ValueError, match="forms differ"):
         concat_blocks([random_blocks("Q4_1", 16, 96, seed=1), random_blocks("Q8_0", 16, 96, seed=2)])
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K"])
+def test_float32_dequantization_rounds_once(kind):
+    """Computed in float32 (the loader's dense copies), the weights are float64's rounded once."""
+    blocks = random_blocks(kind, 32, 512, seed=12)
+    assert torch.equal(blocks.dequantize(torch.float32), blocks.dequantize(torch.float64).float())
