@@ -159,15 +159,17 @@ def test_bf16_kernel_stays_within_bf16_rounding(kind):
 CFG = dict(hidden=64, heads=4, kv_heads=2, inter=96, layers=2, vocab=48)
 
 
-def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cfg=CFG, kept_dense=(), kinds=None):
+def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cfg=CFG, kept_dense=(), kinds=None,
+                    arch="llama"):
     """A tiny llama GGUF: `kind` matrices, a `head_kind` token embedding tied to the head (SmolLM2's
     layout: Q4_1 and Q8_0), float32 norms; the matrices named in `kept_dense` are written as float16,
-    as a type the kernel does not take (Qwen's Q6_K); `kinds` names other types for some matrices. Returns {GGUF name: Blocks or tensor} as written."""
+    as a type the kernel does not take (Qwen's Q6_K); `kinds` names other types for some matrices;
+    arch "qwen2" adds q, k, v biases. Returns {GGUF name: Blocks or tensor} as written."""
     import gguf
 
     h, inter = cfg["hidden"], cfg["inter"]
     head_dim = h // cfg["heads"]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["layers"])
     w.add_context_length(512)
     w.add_embedding_length(h)
@@ -206,6 +208,10 @@ def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cf
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", h)
         vector(p + "ffn_norm.weight", h)
+        if arch == "qwen2":
+            for part, rows in (("q", cfg["heads"] * head_dim), ("k", cfg["kv_heads"] * head_dim),
+                               ("v", cfg["kv_heads"] * head_dim)):
+                vector(p + f"attn_{part}.bias", rows)
         matrix(p + "attn_q.weight", kind, cfg["heads"] * head_dim, h)
         matrix(p + "attn_k.weight", kind, cfg["kv_heads"] * head_dim, h)
         matrix(p + "attn_v.weight", kind, cfg["kv_heads"] * head_dim, h)
@@ -297,18 +303,25 @@ Q6K_STAND_INS = ("blk.0.attn_v.weight", "blk.1.ffn_down.weight")  # where Q4_K_M
 def tiny_q4_k_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny-q4k.gguf"
     return path, write_tiny_gguf(path, seed=3, head_kind="Q4_K", kind="Q4_K", cfg=Q4K_CFG,
-                                 kept_dense=Q6K_STAND_INS)
+                                 kept_dense=Q6K_STAND_INS, arch="qwen2")
 
 
 def test_q4_k_model_is_packed_where_it_can_be_and_equals_the_dense_gguf_model(tiny_q4_k_gguf):
     """Q4_K projections are packed; a fused projection with a part of a dense type (layer 0's q, k, v
-    with v dense) is dense; logits equal the float64 dense model's to float accumulation order."""
-    path, _ = tiny_q4_k_gguf
+    with v dense) packs q, k and keeps v dense, outputs side by side (the bias cut to match); logits
+    equal the float64 dense model's to float accumulation order."""
+    from triforce.model.stored import StackedOutputs
+
+    path, written = tiny_q4_k_gguf
     stored = load_gguf_model(path, torch.float32, stored=True)
     dense = load_gguf_model(path, torch.float64, stored=False)
     assert isinstance(stored.lm_head, PackedLinear) and stored.lm_head.kind == "Q4_K"
     assert isinstance(stored.layers[1].attention.wqkv, PackedLinear)
-    assert isinstance(stored.layers[0].attention.wqkv, torch.nn.Linear)
+    split = stored.layers[0].attention.wqkv
+    assert isinstance(split, StackedOutputs)
+    assert [type(p) for p in split.parts] == [PackedLinear, torch.nn.Linear]
+    assert split.parts[0].out_features == 256 + 128 and split.parts[1].weight.shape == (128, 256)
+    assert torch.equal(split.parts[1].bias, written["blk.0.attn_v.bias"].float())  # v's bias, cut from q, k, v's
     assert isinstance(stored.layers[1].mlp.w2, torch.nn.Linear) and isinstance(stored.layers[0].mlp.w2, PackedLinear)
     for n in (3, PACKED_KERNEL_MAX_ROWS + 8):
         ids = torch.arange(n) % 48
@@ -349,7 +362,7 @@ Q5_0_KINDS = {"blk.0.attn_v.weight": "Q8_0", "blk.1.attn_v.weight": "Q8_0", "blk
 def tiny_q5_0_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny-q5_0.gguf"
     return path, write_tiny_gguf(path, seed=4, head_kind="Q5_0", kind="Q5_0", cfg=Q4K_CFG,
-                                 kept_dense=("blk.0.ffn_down.weight",), kinds=Q5_0_KINDS)
+                                 kept_dense=("blk.0.ffn_down.weight",), kinds=Q5_0_KINDS, arch="qwen2")
 
 
 def test_q5_0_model_stacks_q5_0_with_q8_0_and_equals_the_dense_gguf_model(tiny_q5_0_gguf):
@@ -374,7 +387,8 @@ def test_auto_counts_a_mostly_q4_k_gguf_as_stored(tiny_q4_k_gguf, monkeypatch):
     from triforce.model import gguf_loader
 
     path, written = tiny_q4_k_gguf
-    total = sum(v.q.numel() if isinstance(v, Blocks) else v.numel() for k, v in written.items() if "norm" not in k)
+    total = sum(v.q.numel() if isinstance(v, Blocks) else v.numel() for v in written.values()
+                if isinstance(v, Blocks) or v.dim() == 2)  # matrices: norms and biases do not count
     kept = sum(written[name].numel() for name in Q6K_STAND_INS)
     assert GgufCheckpoint(path).stored_share() == pytest.approx(1 - kept / total)
     monkeypatch.setattr(gguf_loader, "stored_kernel_pays", lambda dtype: True)

@@ -130,3 +130,15 @@ def concat_blocks(parts: list[Blocks]) -> Blocks:
     m = None if parts[0].m is None else torch.cat([p.m for p in parts])
     return Blocks("+".join(kinds), torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m,
                   nbytes=sum(p.stored_bytes for p in parts))
+
+
+class StackedOutputs(nn.Module):
+    """One fused projection whose parts are computed each its own way, packed or dense, their outputs
+    side by side: Qwen2.5-Coder-1.5B's q, k are Q4_K (packed) where half its layers' v is Q6_K (dense)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
