@@ -212,14 +212,16 @@ def fetch_gguf(spec: ModelSpec, cache_dir: Path, progress: Progress) -> Path:
 
 # ---------------------------------------------------------------------------------- prepare
 
-def _stored_share(gguf: Path) -> float | None:
-    """The share of the GGUF's matrix weights the loader can compute with as stored (None when the
-    file cannot be read as a GGUF: the loader then asks the file itself)."""
+def _stored_share(gguf: Path) -> dict:
+    """The share of the GGUF's matrix weights the loader can compute with as stored, and the types it
+    counted (a share counted with other types is stale: the loader then asks the file itself, as it
+    does when the share is None because the file could not be read as a GGUF)."""
     try:
-        from triforce.model.gguf_blocks import GgufCheckpoint
-        return round(GgufCheckpoint(gguf).stored_share(), 4)
+        from triforce.model.gguf_blocks import STORED_TYPES, GgufCheckpoint
+        return {"gguf_stored_share": round(GgufCheckpoint(gguf).stored_share(), 4),
+                "gguf_stored_types": list(STORED_TYPES)}
     except Exception:  # a test's fake blob, or gguf missing: the loader decides later
-        return None
+        return {"gguf_stored_share": None}
 
 
 def _make_readable(folder: Path) -> None:
@@ -303,7 +305,7 @@ def prepare(names=("smollm2",), out_dir: Path | str | None = None,
                     # the GGUF itself, relative to the folder: the loader computes with its quantized
                     # blocks when asked (weights="stored", triforce/model/gguf_loader.py)
                     "source_gguf": os.path.relpath(gguf.resolve(), folder.resolve()),
-                    "gguf_stored_share": _stored_share(gguf),
+                    **_stored_share(gguf),
                 }, indent=2) + "\n")
                 _make_readable(partial)
                 old = None

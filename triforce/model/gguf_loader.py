@@ -17,9 +17,9 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import UserError
-from .gguf_blocks import STORED_TYPES, GgufCheckpoint
+from .gguf_blocks import FORMS, STORED_TYPES, GgufCheckpoint
 from .rope import Rotary
-from .stored import PackedLinear, _int4_kernels_available, concat_blocks, packed_from_blocks
+from .stored import PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
 from .transformer import Transformer
 
 WEIGHTS = ("auto", "stored", "dequantized")
@@ -109,12 +109,15 @@ MIN_STORED_SHARE = 0.5  # below this most matrices would be dense anyway: the fo
 
 def stored_share(folder: str | Path) -> float:
     """The share of the model's matrix weights the packed kernel can take, from the folder's marker
-    (prepare records it) or, for older folders and GGUF paths, from the GGUF's tensor table."""
+    (prepare records it, with the types it counted) or, for older folders, markers counted with other
+    types (before Q4_K, Qwen's were recorded as 0) and GGUF paths, from the GGUF's tensor table."""
     folder = Path(folder)
     if folder.is_dir():
         try:
-            return float(json.loads((folder / MARKER).read_text())["gguf_stored_share"])
-        except (OSError, ValueError, KeyError, TypeError):
+            meta = json.loads((folder / MARKER).read_text())
+            if meta.get("gguf_stored_types") == list(STORED_TYPES):
+                return float(meta["gguf_stored_share"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
         folder = gguf_origin(folder)
     return open_checkpoint(str(folder)).stored_share()
@@ -156,9 +159,40 @@ class _Source:
         return w
 
     def linear(self, names: list[str], bias: torch.Tensor | None) -> nn.Module:
-        """One (fused) projection: packed when every part is of one stored type, else dense."""
-        kinds = {self.ckpt.kind(n) for n in names}
-        if self.stored and len(kinds) == 1 and kinds <= set(STORED_TYPES):
+        """One (fused) projection: packed where its parts are of a stored type, neighbours of one
+        packed form (FORMS) stacked into one packed matrix, dense parts likewise; a projection of
+        several such runs computes each and stands their outputs side by side."""
+        runs = self._runs(names)
+        if len(runs) == 1:
+            return self._run_linear(names, bias)
+        parts, row = [], 0
+        for run in runs:
+            rows = sum(self.rows(n) for n in run)
+            parts.append(self._run_linear(run, None if bias is None else bias[row:row + rows]))
+            row += rows
+        return StackedOutputs(parts)
+
+    def rows(self, name: str) -> int:
+        return int(self.ckpt.tensors[name].shape[1])  # GGUF lists the fastest dimension first
+
+    def _form(self, name: str) -> str:
+        """The packed form this matrix takes, or "dense"."""
+        kind = self.ckpt.kind(name)
+        return FORMS[kind] if self.stored and kind in STORED_TYPES else "dense"
+
+    def _runs(self, names: list[str]) -> list[list[str]]:
+        """`names` cut where the form changes (q, k | v for a Q4_K q, k with a Q6_K v)."""
+        runs = []
+        for name in names:
+            if runs and self._form(runs[-1][-1]) == self._form(name):
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        return runs
+
+    def _run_linear(self, names: list[str], bias: torch.Tensor | None) -> nn.Module:
+        """Matrices of one form as one projection: packed, or dense."""
+        if self._form(names[0]) != "dense":
             return packed_from_blocks(concat_blocks([self.blocks(n) for n in names]), self.dtype, bias)
         weight = torch.cat([self.dense(n) for n in names]).to(self.dtype)
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -212,7 +246,7 @@ def weights_summary(model: nn.Module) -> dict:
     for module in model.modules():
         if isinstance(module, PackedLinear):
             packed += module.bytes_per_row_pass()
-            kinds.add(module.kind)
+            kinds.update(module.kind.split("+"))  # a stack of kinds (Q5_0+Q8_0) counts each
         elif isinstance(module, nn.Linear):
             dense_bytes += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
             dense_dtypes.add(str(module.weight.dtype).removeprefix("torch."))

@@ -6,9 +6,17 @@ The kernel computes with groups of 32 weights along K, each w = (code - 8) * sca
 [0, 15] (checked against float64 in tests/model/test_stored.py). GGUF types map onto it exactly:
 
     Q4_1  w = d * q + m            -> code q, scale d, zero m + 8d
+    Q4_K  w = d * sc_s * q - dmin * m_s, per 32-weight sub-block s -> Q4_1's form with d_s = d * sc_s
+          and m_s = -dmin * m_s (gguf_blocks.decode_q4_k): code q, scale d * sc_s, zero
+          8 * d * sc_s - dmin * m_s. Scale and both terms of the zero are exact in float32 (an f16 times
+          a 6-bit integer); the zero's difference was exact in every sub-block of Qwen2.5-Coder-1.5B's
+          Q4_K tensors checked (docs/results/2026-11-23-cpu-bytes.md). Q6_K cannot map: its scales
+          change every 16 weights and the kernel's smallest group is 32.
     Q8_0  w = d * q, q in [-128,127] -> q = 16 * hi + lo with hi in [-8, 7], lo in [0, 15]: two int4
           matrices side by side along K, [hi + 8 | lo] with scales [16d | d] and zeros [0 | 8d], and
           the input repeated, [x | x]. Every partial weight is a small integer times d: exact.
+    Q5_0  w = d * (q - 16), q in [0, 31] -> decoded to Q8_0's form (int8 q - 16, d), packed as Q8_0:
+          8 bits a weight read (the high half holds one bit), half of bfloat16's 16.
 
 With float32 scales (f16 d and m widen exactly) this is the GGUF's model to float accumulation order;
 with bfloat16 activations the kernel also takes bfloat16 scales, the same rounding a bf16 folder
@@ -22,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gguf_blocks import BLOCK, Blocks
+from .gguf_blocks import BLOCK, FORMS, Blocks
 
 # Above this many rows (prefill, window refills) the weights are dequantized for one dense GEMM:
 # the packed kernel is a matrix-vector product per row (bf16, 1 thread, 3072x576: 0.05 ms for 1 row,
@@ -97,15 +105,17 @@ class PackedLinear(nn.Module):
 
 
 def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | None = None) -> PackedLinear:
-    """The exact int4-group form of a Q4_1 or Q8_0 matrix (see the module docstring)."""
-    if blocks.kind == "Q4_1":
-        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, "Q4_1")
-    elif blocks.kind == "Q8_0":
+    """The exact int4-group form of a matrix of a stored type, or a stack of one form (module docstring)."""
+    forms = {FORMS.get(kind) for kind in blocks.kind.split("+")}
+    if forms == {"affine"}:  # Q4_K arrives decoded into Q4_1's per-32 form
+        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind)
+    elif forms == {"signed"}:  # Q5_0 arrives decoded into Q8_0's form
         q = blocks.q.to(torch.int16)
         hi, lo = (q >> 4) + 8, q & 15  # arithmetic shift: q = 16 * (hi - 8) + lo
         codes = torch.cat([hi, lo], dim=1)
         layer = PackedLinear(codes, torch.cat([16 * blocks.d, blocks.d], dim=1),
-                             torch.cat([torch.zeros_like(blocks.d), 8 * blocks.d], dim=1), 2, dtype, bias, "Q8_0")
+                             torch.cat([torch.zeros_like(blocks.d), 8 * blocks.d], dim=1), 2, dtype, bias,
+                             blocks.kind)
     else:
         raise ValueError(f"no packed form for {blocks.kind}")
     layer.stored_bytes = blocks.stored_bytes
@@ -113,6 +123,22 @@ def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | 
 
 
 def concat_blocks(parts: list[Blocks]) -> Blocks:
-    """Matrices of one kind stacked along rows (q, k, v into wqkv): rows keep their own scales."""
+    """Matrices of one form stacked along rows (q, k, v into wqkv): rows keep their own scales."""
+    kinds = sorted({p.kind for p in parts})
+    if len({FORMS[k] for k in kinds}) != 1:
+        raise ValueError(f"cannot stack {' and '.join(kinds)}: their packed forms differ")
     m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-    return Blocks(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+    return Blocks("+".join(kinds), torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m,
+                  nbytes=sum(p.stored_bytes for p in parts))
+
+
+class StackedOutputs(nn.Module):
+    """One fused projection whose parts are computed each its own way, packed or dense, their outputs
+    side by side: Qwen2.5-Coder-1.5B's q, k are Q4_K (packed) where half its layers' v is Q6_K (dense)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
