@@ -517,3 +517,17 @@ def test_float32_dequantization_rounds_once(kind):
     """Computed in float32 (the loader's dense copies), the weights are float64's rounded once."""
     blocks = random_blocks(kind, 32, 512, seed=12)
     assert torch.equal(blocks.dequantize(torch.float32), blocks.dequantize(torch.float64).float())
+
+
+def test_a_stored_drafter_stays_the_drafter_under_int8_proposers(tiny_gguf):
+    """int8 twins are for dense weights; a stored drafter gets none and must stay the drafter (not
+    fall back to the target drafting for itself)."""
+    from triforce.model.quant import with_lower_weights
+    from triforce.speculative import Models
+
+    path, _ = tiny_gguf
+    target = load_model(path, torch.float32, weights="dequantized")
+    drafter = load_model(path, torch.float32, weights="stored")
+    models = with_lower_weights(Models(target, drafter), "int8")
+    assert models.drafter is drafter
+    assert models.proposing_target is not None and models.proposing_target is not target  # the dense one's twin

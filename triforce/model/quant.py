@@ -130,6 +130,7 @@ def with_lower_weights(models, kind: str, target: bool = True, drafter: bool = T
         raise UserError(f"unknown Settings.lower_weights '{kind}': choose one of {', '.join(LOWER_WEIGHTS)}")
     if kind == "same":
         return models
-    draft = lower_weights_for(models.drafter, kind) if drafter and models.drafter is not None else models.drafter
+    # a drafter with no cheaper copy (weights as stored) stays itself: None would mean "the target drafts"
+    draft = (lower_weights_for(models.drafter, kind) if drafter and models.drafter is not None else None) or models.drafter
     proposing = lower_weights_for(models.target, kind) if target else models.proposing_target
     return replace(models, proposing_target=proposing, drafter=draft)
