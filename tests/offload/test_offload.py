@@ -194,7 +194,7 @@ def test_factory_plans_before_allocating():
     assert r.layer_bytes == 1024 * 2 * 32 * 128 * 2 and r.retrieval_cache == 5
     sizes = CacheSizes.of(GenerationConfig(budget=4096, gamma1=4, gamma2=6, sink_tokens=4, draft_window=256),
                           "triforce", max_len=1000)
-    assert sizes.after_full_bytes(shape, None) == shape.bytes_per_token * (4096 + 13 + 4 + 256 + 64)
+    assert sizes.after_full_bytes(shape, None) == shape.bytes_per_token * (4096 + 33 + 4 + 256 + 64)
 
 
 # ---------------------------------------------------------------------- engines

@@ -39,7 +39,8 @@ LOGIT_MODELS = {  # name -> save_tiny arguments: GQA, q/k/v biases (qwen2), o_pr
 }
 GEN_MODEL = "qwen2-bias"
 ENGINES = [("autoregressive", False), ("speculative", True), ("retrieval", False), ("triforce", True),
-           ("triforce", False)]  # (mode, separate drafter; False = the target's own weights)
+           ("triforce", False), ("triforce-device", True)]  # (mode, separate drafter; False = the target's own weights)
+# "triforce-device": triforce with its drafter->middle rounds on the device (rounds.py, the GPU default)
 GREEDY = GenerationConfig(max_new_tokens=32, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
                           sink_tokens=4, prefill_chunk=48)
 SAMPLED = replace(GREEDY, temperature=0.8, top_p=0.9, seed=7)
@@ -92,6 +93,8 @@ def models_for(folder: Path, rank: int, world: int, dist=None) -> tuple:
 
 def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfig, offload: bool, lower=None) -> dict:
     ids = tokens(96, seed=2)
+    mode, device_rounds = mode.removesuffix("-device"), mode.endswith("-device")
+    cfg = replace(cfg, device_rounds=device_rounds)
     factory = offload_factory()(device="cpu", prefill_chunk=cfg.prefill_chunk) if offload else None
     models = Models(target, drafter if use_drafter else None, proposing_target=lower)
     gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens,
@@ -137,7 +140,7 @@ def compute(folders: dict, rank: int, world: int, dist=None) -> dict:
     results["adaptive"] = adaptive(target, drafter, dist)
     results["int8"] = generate(target, drafter, "triforce", False, GREEDY, False, lower=int8_twin(target))["tokens"]
     results["long"] = {mode: generate(target, drafter, mode, True, LONG, offload=mode == "triforce" and bool(OFFLOAD[-1]))
-                       for mode in ("autoregressive", "triforce")}
+                       for mode in ("autoregressive", "triforce", "triforce-device")}
     return results
 
 
@@ -225,11 +228,12 @@ def test_long_offloaded_triforce_with_tp2_is_autoregressive(runs):
     autoregressive decoding in one process (and of triforce + offload in one process)."""
     reference = runs[1]["long"]["autoregressive"]["tokens"]
     assert len(reference) == LONG.max_new_tokens
-    assert runs[1]["long"]["triforce"]["tokens"] == reference
-    for r in runs[2]:
-        assert r["long"]["triforce"]["tokens"] == reference
-        assert r["long"]["autoregressive"]["tokens"] == reference
-        assert r["long"]["triforce"]["rebuilds"] > 20 and r["long"]["triforce"]["evictions"] > 20
+    for mode in ("triforce", "triforce-device"):
+        assert runs[1]["long"][mode]["tokens"] == reference
+        for r in runs[2]:
+            assert r["long"][mode]["tokens"] == reference
+            assert r["long"][mode]["rebuilds"] > 20 and r["long"][mode]["evictions"] > 20
+    assert all(r["long"]["autoregressive"]["tokens"] == reference for r in runs[2])
 
 
 def test_int8_proposers_under_tp2_are_autoregressive(runs):

@@ -17,9 +17,12 @@ def tiny(tmp_path_factory):
     return Models(load_model(folder, torch.float32), None)
 
 
-def test_compiled_levels_decode_the_eager_tokens(tiny):
+@pytest.mark.parametrize("device_rounds", [False, True], ids=["host-rounds", "device-rounds"])
+def test_compiled_levels_decode_the_eager_tokens(tiny, device_rounds):
+    """With device rounds (rounds.py) the drafter and the middle level replay graphs of views whose
+    slots and positions follow a device tensor: one graph per pass shape covers every round."""
     ids = [3 + (i * 7) % 60 for i in range(300)]
-    cfg = GenerationConfig(max_new_tokens=24, budget=64, chunk_size=8, gamma1=2, gamma2=3)
+    cfg = GenerationConfig(max_new_tokens=24, budget=64, chunk_size=8, gamma1=2, gamma2=3, device_rounds=device_rounds)
     eager = Generator(tiny, cfg, "triforce", max_len=400)
     eager.prefill(ids)
     compiled = Generator(tiny, cfg, "triforce", max_len=400)
@@ -28,3 +31,7 @@ def test_compiled_levels_decode_the_eager_tokens(tiny):
     assert compiled.generate() == eager.generate()
     # the drafter, the middle level and the full cache each ran compiled graphs, one per pass shape
     assert all(w.compiled and w.replays and w.captured for w in wrappers) and len(wrappers) == 3
+    if device_rounds:  # the drafter's views: a step's first feed (1-3 tokens), a round's (2), then 1 each
+        proposer = compiled.proposers["triforce"][0]
+        assert {T for name, T in proposer.views} <= {1, 2, 3, cfg.gamma1 + 1}
+        assert compiled.drafter.model.replays > 24 and compiled.middle.model.replays >= 12

@@ -27,13 +27,14 @@ def prompt(n, seed):
 
 
 @pytest.mark.parametrize("seed,prompt_len,budget,chunk", [(0, 96, 32, 8), (1, 101, 48, 8), (2, 77, 24, 4), (3, 130, 64, 16)])
-@pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("speculative", False), ("retrieval", False),
-                                              ("triforce", True), ("triforce", False)])
-def test_greedy_identical(pair, seed, prompt_len, budget, chunk, mode, use_drafter):
+@pytest.mark.parametrize("mode,use_drafter,device_rounds", [
+    ("speculative", True, False), ("speculative", False, False), ("retrieval", False, False),
+    ("triforce", True, False), ("triforce", False, False), ("triforce", True, True), ("triforce", False, True)])
+def test_greedy_identical(pair, seed, prompt_len, budget, chunk, mode, use_drafter, device_rounds):
     target, drafter = pair
     ids = prompt(prompt_len, seed)
     cfg = GenerationConfig(max_new_tokens=90, budget=budget, chunk_size=chunk, gamma1=3, gamma2=5,
-                           draft_window=16, sink_tokens=4)
+                           draft_window=16, sink_tokens=4, device_rounds=device_rounds)
     reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
     result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
     assert result.tokens == reference.tokens
@@ -55,13 +56,14 @@ def test_rebuild_on_low_acceptance(pair):
     assert eager.stats.rebuilds > lazy.stats.rebuilds
 
 
-def test_long_generation_stays_lossless(pair):
+@pytest.mark.parametrize("device_rounds", [False, True], ids=["host-rounds", "device-rounds"])
+def test_long_generation_stays_lossless(pair, device_rounds):
     """2,000 new tokens: the retrieval cache is absorbed into, runs out of room and is rebuilt many
     times, and the StreamingLLM window wraps many times; tokens stay autoregressive-identical."""
     target, drafter = pair
     ids = prompt(300, 9)
     cfg = GenerationConfig(max_new_tokens=2000, budget=64, chunk_size=8, gamma1=3, gamma2=5,
-                           draft_window=32, sink_tokens=4)
+                           draft_window=32, sink_tokens=4, device_rounds=device_rounds)
     reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
     from triforce.speculative import Generator
 

@@ -4,8 +4,9 @@ Counted on CPU at the call sites where a GPU host would wait (triforce/speculati
 synchronize(), reads of tensor values (item, tolist, cpu, numpy, bool/int/float/index) and
 torch.tensor(list). Before issue 22 a round paid 4 per pass of every level (autoregressive 4.0,
 speculative 20.0, retrieval 28.0, triforce 72.0 greedy at gamma1 4, gamma2 6 in this setting);
-now every mode pays the one read of the round's tokens, and triforce one more per middle-level pass
-(its acceptance decides where the drafter goes next). With the full cache offloaded, a round that
+now every mode pays the one read of the round's tokens; triforce with host-driven rounds (the CPU
+default) one more per middle-level pass (its acceptance decides where the drafter goes next), with
+device rounds (rounds.py, the GPU default) none. With the full cache offloaded, a round that
 updates the retrieval cache also waits for the write-backs before reading the host store (one
 wait per absorb, two per layer on a rebuild): not yet removed, counted here so it cannot grow.
 """
@@ -35,11 +36,12 @@ def pair(tmp_path_factory):
 PROMPT = torch.randint(0, 48, (150,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def rounds(pair, mode, temperature, offload, adaptive=False):
+def rounds(pair, mode, temperature, offload, adaptive=False, device_rounds=False):
     """[(host waits besides the offload's, middle-level verifications)] for each full-cache round of
     a generation, and the entry points seen. Checks the offload's own waits on the way."""
     cfg = GenerationConfig(max_new_tokens=40, budget=64, chunk_size=8, gamma1=4, gamma2=6, draft_window=32,
-                           sink_tokens=4, temperature=temperature, adaptive=adaptive)
+                           sink_tokens=4, temperature=temperature, adaptive=adaptive,
+                           device_rounds=device_rounds)
     factory = full_cache_factory("cpu", 64, chunk_tokens=7) if offload else None
     gen = Generator(Models(*pair), cfg, mode, len(PROMPT) + 64, full_cache_factory=factory)
     gen.prefill(PROMPT)
@@ -73,15 +75,27 @@ def test_one_wait_per_round(pair, mode, temperature, offload):
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_triforce_waits_once_per_round_and_once_per_middle_pass(pair, temperature, offload):
-    per_round, sites = rounds(pair, "triforce", temperature, offload)
+def test_triforce_device_rounds_wait_once_per_round(pair, temperature, offload):
+    """Drafter->middle rounds on the device (rounds.py, the GPU default): one read per full-cache round
+    however many middle passes it made."""
+    per_round, sites = rounds(pair, "triforce", temperature, offload, device_rounds=True)
+    assert [w for w, _ in per_round] == [1] * len(per_round)
+    assert any(m > 1 for _, m in per_round) and sites == {"tolist"}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_triforce_host_rounds_wait_once_per_round_and_once_per_middle_pass(pair, temperature):
+    """The host-driven rounds (the CPU default, where a read costs nothing) read each middle pass's
+    acceptance to place the next drafts."""
+    per_round, sites = rounds(pair, "triforce", temperature, False, device_rounds=False)
     assert [w for w, _ in per_round] == [1 + m for _, m in per_round]
     assert all(m >= 1 for _, m in per_round) and sites == {"tolist", "__int__"}
 
 
-def test_adaptive_rounds_wait_as_their_mode_does(pair):
-    per_round, _ = rounds(pair, "triforce", 0.0, False, adaptive=True)
-    assert [w for w, _ in per_round] == [1 + m for _, m in per_round]
+@pytest.mark.parametrize("device_rounds", [False, True], ids=["host-rounds", "device-rounds"])
+def test_adaptive_rounds_wait_as_their_mode_does(pair, device_rounds):
+    per_round, _ = rounds(pair, "triforce", 0.0, False, adaptive=True, device_rounds=device_rounds)
+    assert [w for w, _ in per_round] == [1 + (0 if device_rounds else m) for _, m in per_round]
     assert any(m == 0 for _, m in per_round) and any(m > 0 for _, m in per_round)  # modes were mixed
 
 

@@ -76,8 +76,12 @@ def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, alpha_z: float
     return stat > critical, stat, critical
 
 
+DEVICE = {"device_rounds": True}  # triforce's drafter->middle rounds on the device (rounds.py)
 CASES = [("speculative", True, {}), ("retrieval", False, {}), ("triforce", True, {}),
-         ("triforce", False, {}), ("triforce", True, {"top_k": 5, "top_p": 0.8})]
+         ("triforce", False, {}), ("triforce", True, {"top_k": 5, "top_p": 0.8}),
+         ("triforce", True, DEVICE), ("triforce", False, DEVICE), ("triforce", True, {**DEVICE, "top_k": 5, "top_p": 0.8}),
+         # two rounds per full pass: the full level verifies six positions, capped at what the middle made
+         ("triforce", True, {**DEVICE, "gamma2": 6})]
 
 
 @pytest.mark.parametrize("mode,use_drafter,extra", CASES)
@@ -95,13 +99,26 @@ def wrong_residual(p, q):
     return p  # the reference implementation's mistake: resample from the target, not the residual
 
 
-@pytest.mark.parametrize("mode", ["speculative", "triforce"])
-def test_wrong_residual_is_caught(models, monkeypatch, mode):
+@pytest.mark.parametrize("mode,extra", [("speculative", {}), ("triforce", {}), ("triforce", DEVICE)])
+def test_wrong_residual_is_caught(models, monkeypatch, mode, extra):
     target, drafter = models
     original = sampling.verify_sampled
     monkeypatch.setattr("triforce.speculative.engine.verify_sampled",
                         lambda *a, **k: original(*a, **k, residual=wrong_residual))
     exact = exact_joint(target, Sampler(SETTINGS["temperature"]))
-    counts = sample_joint(Models(target, drafter), mode, SETTINGS)
+    counts = sample_joint(Models(target, drafter), mode, {**SETTINGS, **extra})
     rejects, stat, critical = chi_square_rejects(counts, exact)
     assert rejects, f"a wrong residual went unnoticed (chi-square {stat:.1f} <= {critical:.1f})"
+
+
+def test_capped_verification_without_its_correction_is_caught(models, monkeypatch):
+    """Device rounds verify more positions than the middle level may have made; at that cap the next
+    token must come from the target itself, not from the residual against the middle's row there
+    (a rejected draft's). Dropping that correction must fail the distribution test."""
+    target, drafter = models
+    monkeypatch.setattr(sampling, "at_the_cap", lambda q_next, accepted, limit: q_next)
+    cfg = {**SETTINGS, **DEVICE}  # one round of 2 drafts: the cap binds whenever the middle rejects one
+    exact = exact_joint(target, Sampler(cfg["temperature"]))
+    counts = sample_joint(Models(target, drafter), "triforce", cfg)
+    rejects, stat, critical = chi_square_rejects(counts, exact)
+    assert rejects, f"a stale row at the cap went unnoticed (chi-square {stat:.1f} <= {critical:.1f})"

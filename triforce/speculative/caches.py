@@ -121,9 +121,32 @@ class StreamingCache(SlotCache):
         self.evictions = 0
 
     def begin(self, T: int) -> torch.Tensor:
-        if self.used + T > self.capacity:
-            self._evict(keep=min(self.used - self.sinks, self.capacity - self.sinks - T))
+        self.make_room(T)
         return torch.arange(self.used, self.used + T, device=self.shape.device)
+
+    def make_room(self, T: int) -> None:
+        """Evict now if T more slots would not fit (a device round evicts before it starts, so that
+        slots map to positions by one shift throughout)."""
+        if self.used + T > self.capacity:
+            if T > self.capacity - self.sinks:
+                raise RuntimeError(f"{T} tokens do not fit the StreamingLLM cache's {self.capacity - self.sinks} window slots")
+            self._evict(keep=min(self.used - self.sinks, self.capacity - self.sinks - T))
+
+    def wrote_to(self, length: int) -> None:
+        """Slots up to sequence position `length` were written through a view (rounds.CursorView),
+        at the current shift between positions and slots."""
+        self.used += length - self.length
+        self.length = length
+
+    def reset(self) -> None:
+        """Empty, as freshly built."""
+        self.used = self.length = self.evictions = 0
+
+    def skipped_to(self, length: int) -> None:
+        """The slots hold the sinks and the window ending at `length` (fed as one piece, the tokens
+        between dropped): they stand for the sequence's first `length` tokens, no longer 1:1."""
+        self.length = length
+        self.evictions += 1
 
     def _evict(self, keep: int) -> None:
         src = self.used - keep

@@ -41,6 +41,8 @@ class GenerationConfig:
     # generate.py and chat.py turn it on (--adaptive, their default)
     adaptive: bool = False
     stop_on_eos: bool = False
+    # triforce's drafter->middle rounds with no host read inside (rounds.py): None decides by device
+    device_rounds: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -67,6 +69,14 @@ class GenerationConfig:
         if self.prefill_chunk is not None:
             return self.prefill_chunk
         return GPU_PREFILL_CHUNK if str(device).startswith("cuda") else CPU_PREFILL_CHUNK
+
+    def rounds_on_device(self, device) -> bool:
+        """Whether triforce's drafter->middle rounds run without host reads: the setting, else on a
+        GPU, where every read stalls the queue (on CPU a read costs nothing and the host-driven
+        rounds waste no proposals)."""
+        if self.device_rounds is not None:
+            return self.device_rounds
+        return str(device).startswith("cuda")
 
     @property
     def greedy(self) -> bool:

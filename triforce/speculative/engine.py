@@ -37,6 +37,7 @@ from .adaptive import SUB_MODES, Chooser
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
 from .models import CacheSizes, Models, Prefilled, self_drafter
+from .rounds import DeviceRoundProposer
 from .retrieval import RebuildPolicy, RetrievalCache, check_budget
 from .sampling import Sampler, draw_rows, verify_greedy, verify_sampled
 from .stats import Stats
@@ -189,16 +190,16 @@ class Sampling:
         probs = self.sampler.probs(logits)
         return draw_rows(probs, self.uniforms(probs.shape[0])), probs
 
-    def verify(self, drafts: torch.Tensor, draft_probs, logits: torch.Tensor):
+    def verify(self, drafts: torch.Tensor, draft_probs, logits: torch.Tensor, limit: torch.Tensor | None = None):
         """(accepted, next token) as 0-dim device tensors, and this level's distributions (g+1, V)
-        or None when greedy."""
+        or None when greedy. With `limit`, only the first `limit` drafts were proposed."""
         if self.sampler.greedy:
-            accepted, nxt = verify_greedy(drafts, logits.argmax(dim=-1))
+            accepted, nxt = verify_greedy(drafts, logits.argmax(dim=-1), limit)
             return accepted, nxt, None
         probs = self.sampler.probs(logits)
         if drafts.shape[0] == 0:  # nothing to verify: a plain draw
             return torch.zeros((), dtype=torch.long, device=self.device), draw_rows(probs, self.uniforms(1))[0], probs
-        accepted, nxt = verify_sampled(drafts, draft_probs, probs, self.uniforms(drafts.shape[0] + 1))
+        accepted, nxt = verify_sampled(drafts, draft_probs, probs, self.uniforms(drafts.shape[0] + 1), limit=limit)
         return accepted, nxt, probs
 
 
@@ -279,7 +280,7 @@ class Generator:
             full_cache = make_full(target.kv_shape(), sizes.full, reserve)
         self.clock = PassClock(self.device)
         # room past max_len: a round may propose (and the middle level overshoot) past the last token kept
-        self.seq = Sequence(max_len + 2 * (cfg.gamma1 + cfg.gamma2 + 2), self.device)
+        self.seq = Sequence(max_len + 2 * sizes.margin, self.device)
         self.full = Level("verify", target, full_cache, self.stats, self.clock)
         self.middle = self.drafter = self.rebuilds = None
         if sizes.budget is not None:
@@ -293,8 +294,10 @@ class Generator:
         self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter) if lv is not None]
         self.chooser, self.agree = None, agree
         self._new_chooser()
+        self.device_rounds = cfg.rounds_on_device(self.device)
         self.proposers = {m: self._compose(m) for m in SUB_MODES[mode]}
         self.gamma = self.proposers[mode][1]  # the fixed mode's proposals per full pass
+        self.max_width = sizes.widest  # the most positions a full pass verifies
         self.context: list[int] = []  # the host's copy of seq.ids[:committed], extended once per round
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
         if prefilled:
@@ -360,6 +363,8 @@ class Generator:
             return AutoregressiveProposer(self.drafter, s), cfg.gamma1
         if mode == "retrieval":
             return AutoregressiveProposer(self.middle, s), cfg.gamma2
+        if self.device_rounds:
+            return DeviceRoundProposer(self.drafter, self.middle, cfg.gamma1, s), cfg.gamma2
         drafts = AutoregressiveProposer(self.drafter, s)
         return SpeculativeProposer(self.middle, drafts, cfg.gamma1, s, "draft->middle"), cfg.gamma2
 
@@ -422,8 +427,7 @@ class Generator:
             return
         ids = self.seq.ids
         level.feed(torch.cat((ids[:sinks], ids[n - window:n])), 1)
-        cache.length = n  # the sequence the slots stand for
-        cache.evictions += 1  # tokens between sinks and window were dropped: slots no longer map 1:1
+        cache.skipped_to(n)
         level.adopt(n)
 
     def truncate(self, length: int) -> None:
@@ -450,8 +454,7 @@ class Generator:
 
     def _restart_drafter(self, n: int) -> None:
         """Empty the drafter's StreamingLLM cache and prefill it cheaply for the first n tokens."""
-        cache = self.drafter.cache
-        cache.used = cache.length = cache.evictions = 0  # as freshly built
+        self.drafter.cache.reset()
         self.drafter.adopt(0)
         self._prefill_drafter(n)
 
@@ -505,34 +508,48 @@ class Generator:
             self.stats.add_mode(mode)
         proposer = self.proposers[mode][0]
         c = len(self.context)
-        if proposer is None:
-            gamma, draft_probs = 0, None
-        else:
-            draft_probs = proposer.propose(self.seq, c, gamma)
-        logits = self.full.run(self.seq, c + gamma, gamma + 1)
-        drafts = self.seq.ids[c:c + gamma]
-        accepted, nxt, _ = self.sampling.verify(drafts, draft_probs, logits)
-        # the round's one read: how many drafts stood, the drafts, the next token
-        read = torch.cat((accepted[None], drafts, nxt[None])).tolist()
+        width, draft_probs, made = self._propose(proposer, c, gamma)
+        logits = self.full.run(self.seq, c + width, width + 1)
+        drafts = self.seq.ids[c:c + width]
+        accepted, nxt, _ = self.sampling.verify(drafts, draft_probs, logits, limit=made)
+        # the round's one read: how many drafts stood, the drafts, the next token (and, after device
+        # rounds, how many the middle level made and each of its rounds' acceptance)
+        parts = (accepted[None], drafts, nxt[None])
+        if made is not None:
+            parts += (made[None], proposer.pending)
+        read = torch.cat(parts).tolist()
         n_accepted = read[0]
-        new = read[1:1 + n_accepted] + [read[-1]]
+        new = read[1:1 + n_accepted] + [read[1 + width]]
+        proposed = width
+        if made is not None:
+            proposed = read[2 + width]
+            proposer.settle(read[3 + width:], c, proposed)
         self.seq.write(c + n_accepted, nxt[None])
         for level in self.seq.levels:
             level.report()
-        if gamma:
+        if width:
             edge = ("draft" if mode == "speculative" else "middle") + "->verify"
-            self.stats.add_acceptance(edge, gamma, n_accepted)
+            self.stats.add_acceptance(edge, proposed, n_accepted)
             if self.chooser is not None:
-                self.chooser.acceptance.record(edge, gamma, n_accepted)
-        self.origins = (proposer.origins[:n_accepted] if gamma else []) + [self.full.name]
+                self.chooser.acceptance.record(edge, proposed, n_accepted)
+        self.origins = (proposer.origins[:n_accepted] if width else []) + [self.full.name]
         self.context += new
         self.committed = len(self.context)
         self.full.rollback(self.committed - 1)
         if self.middle is not None:
-            self._update_middle(n_accepted, gamma if retrieves(mode) else 0)
+            self._update_middle(n_accepted, proposed if retrieves(mode) else 0)
         if self.chooser is not None:
             self.chooser.finished(mode, time.perf_counter() - start)
         return new
+
+    def _propose(self, proposer, c: int, gamma: int):
+        """(positions the full pass verifies, their proposers' distributions or None, and the device
+        count of real proposals among them, None when all are)."""
+        if proposer is None:
+            return 0, None, None
+        if isinstance(proposer, DeviceRoundProposer):
+            return proposer.propose(self.seq, c, gamma)
+        return gamma, proposer.propose(self.seq, c, gamma), None
 
     def _update_middle(self, accepted: int, proposed: int) -> None:
         """Copy exact KV of committed tokens into the retrieval cache, or rebuild it."""

@@ -60,8 +60,9 @@ class StaticView:
                 self.queries[layer] = torch.empty_like(q)
             self.queries[layer].copy_(q)
         keys, values = self.cache.k[layer], self.cache.v[layer]  # (Hkv, capacity, D)
-        keys.index_copy_(1, self.slots, k.transpose(0, 1))
-        values.index_copy_(1, self.slots, v.transpose(0, 1))
+        keys.index_copy_(1, self.slots, k.transpose(0, 1).to(keys.dtype))  # a 16-bit cache under float32 compute
+        values.index_copy_(1, self.slots, v.transpose(0, 1).to(values.dtype))
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         # a query sees every slot up to its own: earlier tokens, never later ones or stale slots
         visible = self.key_slots[None, :] <= self.slots[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
@@ -90,6 +91,7 @@ class GraphedModel:
         self.model, self.max_tokens, self.warmup = model, max_tokens, warmup
         self.eager_static, self.compiled = eager_static, compiled
         self.captured: dict[tuple, _Captured] = {}
+        self.views: dict[tuple, StaticView] = {}
         self.replays = 0
         self.captures = 0  # Level.run leaves a pass that captured out of the adaptive chooser's timings
 
@@ -103,22 +105,32 @@ class GraphedModel:
             return self.model(tokens, cache, last_only)
         positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
         key = (id(cache), T, last_only)
+        if key not in self.views:
+            self.views[key] = StaticView(cache, T)
+        view = self.views[key]
+        view.set(positions, cache.used)
+        logits = self.run_view(view, tokens, last_only)
+        if view.queries is not None:
+            cache.queries = list(view.queries)
+        cache.end(T)
+        return logits
+
+    def run_view(self, view: StaticView, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """The pass over a view already pointed at its slots: a graph replay on CUDA, else the view's
+        forward (compiled or eager). Device rounds (rounds.py) call this with their own views."""
+        key = (id(view), last_only)
         c = self.captured.get(key)
         if c is None:
-            c = self.captured[key] = _Captured(StaticView(cache, T), torch.zeros_like(tokens))
-            c.forward = self._forward(c.view, last_only)
-        c.view.set(positions, cache.used)
+            c = self.captured[key] = _Captured(view, torch.zeros_like(tokens))
+            c.forward = self._forward(view, last_only)
         c.tokens.copy_(tokens)
-        if not graphs:
+        if not tokens.is_cuda or self.eager_static:
             logits = c.forward(c.tokens)
         else:
             if c.graph is None:
                 self._capture(c, last_only)
             c.graph.replay()
             logits = c.logits.clone()
-        if c.view.queries is not None:
-            cache.queries = list(c.view.queries)
-        cache.end(T)
         self.replays += 1
         return logits
 
@@ -127,7 +139,12 @@ class GraphedModel:
 
         def forward(tokens):
             return model(tokens, view, last_only)
-        return torch.compile(forward, fullgraph=True, dynamic=False) if self.compiled else forward
+        if not self.compiled:
+            return forward
+        # every (view, shape) is one more compiled entry of this same code object: a triforce run with
+        # device rounds has about a dozen, past dynamo's default limit of 8 (which fails under fullgraph)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch.compile(forward, fullgraph=True, dynamic=False)
 
     def _capture(self, c: _Captured, last_only: bool) -> None:
         # warm-up and capture write this call's K/V into this call's slots; the replay rewrites them
@@ -158,7 +175,7 @@ def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = F
         if level is not None:
             # the full level graphs its verification passes only: a chat turn of a few tokens is
             # prefill, and one capture per turn length would hold as many copies of the graph
-            limit = generator.gamma + 1 if level is full else MAX_GRAPH_TOKENS
+            limit = generator.max_width + 1 if level is full else MAX_GRAPH_TOKENS
             level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit, compiled=compiled)
             wrapped.append(level.model)
     return wrapped

@@ -61,6 +61,8 @@ class CacheSizes:
     """Slots of every cache a Generator allocates, decided here once. The offload planner reads
     `after_full_bytes` to keep device memory for the caches made after the full one."""
 
+    margin: int  # positions one round can write past the committed ones
+    widest: int  # the most positions one full pass verifies
     full: int  # every token: the longest sequence plus one round's proposals
     budget: int | None  # the retrieval cache's persistent slots (None: no middle level)
     scratch: int  # the retrieval cache's slots for one round's proposals
@@ -70,10 +72,12 @@ class CacheSizes:
 
     @classmethod
     def of(cls, cfg: GenerationConfig, mode: str, max_len: int) -> "CacheSizes":
-        margin = cfg.gamma1 + cfg.gamma2 + 2  # tokens one round can add beyond the committed ones
-        return cls(full=max_len + margin,
+        # a device round (rounds.py) verifies up to gamma2 rounds of gamma1 + 1 positions
+        widest = cfg.gamma2 * (cfg.gamma1 + 1) if mode == "triforce" else max(cfg.gamma1, cfg.gamma2)
+        margin = max(cfg.gamma1 + cfg.gamma2, widest) + 2  # tokens one round can add beyond the committed ones
+        return cls(margin=margin, widest=widest, full=max_len + margin,
                    budget=cfg.budget if retrieves(mode) else None, scratch=margin + 1,
-                   streaming_slack=max(64, margin + 1) if modes_draft(mode) else None,
+                   streaming_slack=max(64, margin + 4) if modes_draft(mode) else None,
                    sinks=cfg.sink_tokens, window=cfg.draft_window)
 
     def after_full_bytes(self, target: KVShape, drafter: KVShape | None) -> int:

@@ -50,16 +50,24 @@ def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(index, last_with_mass)
 
 
-def verify_greedy(drafts: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def proposed(drafts: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor | bool:
+    """Which drafts are proposals: all, or the first `limit` (a device count) when a proposer made
+    fewer than the positions verified (rounds.DeviceRoundProposer)."""
+    return True if limit is None else torch.arange(drafts.shape[0], device=drafts.device) < limit
+
+
+def verify_greedy(drafts: torch.Tensor, target_argmax: torch.Tensor,
+                  limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted count, next token) as 0-dim device tensors: accept while the target's argmax
-    agrees (the first mismatch), then the target's argmax there."""
-    agree = (drafts == target_argmax[:drafts.shape[0]]).long()
+    agrees (the first mismatch, or the limit), then the target's argmax there."""
+    agree = ((drafts == target_argmax[:drafts.shape[0]]) & proposed(drafts, limit)).long()
     accepted = agree.cumprod(dim=0).sum()
     return accepted, target_argmax.gather(0, accepted[None])[0]
 
 
 def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   uniforms: torch.Tensor, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   uniforms: torch.Tensor, residual=None, limit: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling over g drafts, on the device, as 0-dim tensors (accepted n, next token).
 
     draft_probs: (g, V) the distributions the drafts were drawn from; target_probs: (g + 1, V);
@@ -67,6 +75,9 @@ def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs
     the next token, from norm(max(0, p - q)) at the first rejection or from target_probs[g] when all
     are accepted (a zero q row there makes the residual p itself). u_g is independent of the
     acceptance uniforms, so the draw has the law of a fresh one.
+    With `limit` (a device count) only the first `limit` drafts are proposals: acceptance stops there
+    and the next token is drawn from target_probs[limit], as if the proposal had ended. Exact as long
+    as whether position i is proposed depends only on what came before it (a stopping time).
     `residual` exists so a test can substitute a wrong rule and see the checks fail.
     """
     residual = residual or residual_distribution
@@ -74,11 +85,20 @@ def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs
     rows = torch.arange(g, device=drafts.device)
     p = target_probs[rows, drafts].to(torch.float64)
     q = draft_probs[rows, drafts].to(torch.float64) if g else p
-    accepted = (uniforms[:g] * q < p).long().cumprod(dim=0).sum()  # u < p/q without dividing by q
+    accepted = ((uniforms[:g] * q < p) & proposed(drafts, limit)).long().cumprod(dim=0).sum()  # u < p/q, no division
     no_draft = torch.zeros_like(target_probs[:1])
     q_rows = torch.cat((draft_probs.to(target_probs.dtype), no_draft)) if g else no_draft
-    dist = residual(target_probs.index_select(0, accepted[None])[0], q_rows.index_select(0, accepted[None])[0])
+    q_next = q_rows.index_select(0, accepted[None])[0]
+    if limit is not None:
+        q_next = at_the_cap(q_next, accepted, limit)
+    dist = residual(target_probs.index_select(0, accepted[None])[0], q_next)
     return accepted, draw_rows(dist[None], uniforms[g:g + 1])[0]
+
+
+def at_the_cap(q_next: torch.Tensor, accepted: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """The draft row the next token corrects for: none once acceptance reached the last proposal
+    (the rows past it are a round's rejected drafts), so the draw is from the target itself."""
+    return torch.where(accepted < limit, q_next, 0.0)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
