@@ -54,8 +54,8 @@ from triforce.cli.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args
                             read_text, resolve_rope, run_cli, run_config)
 from bench.bench_report import hardware, hardware_line, plot, print_table, wide
 from bench.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems
-from bench.measure import (OURS, TIE_ULPS, build_system, engine_mode, first_mismatch, level_ms_per_pass, link_floor,
-                             logit_gap_ulps, seed_config, shared_prefill, ties_only, timed_run)
+from bench.measure import (ALL_OURS, OURS, TIE_ULPS, build_system, first_mismatch, level_ms_per_pass,
+                           link_floor, logit_gap_ulps, system_settings, seed_config, shared_prefill, ties_only, timed_run)
 from triforce.cli.common import open_session
 from bench.traffic import Traffic, bytes_read
 from triforce.speculative import ModelConfig, UserError
@@ -93,7 +93,7 @@ def parse_args(argv) -> BenchPlan:
     p.add_argument("--contexts", default="4096", help="comma-separated context lengths")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(OURS + HF)} (default: all)")
+    p.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(ALL_OURS + HF)} (default: {DEFAULT_SYSTEMS})")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes on 2 CPU cores: context {QUICK['contexts']}, {QUICK['new_tokens']} tokens, "
                         f"{QUICK['repeats']} repeat, systems {QUICK['systems']} (unless --systems), 1 torch thread "
@@ -133,9 +133,9 @@ def _contexts(flag: str) -> tuple[int, ...]:
 
 def _systems(flag: str) -> tuple[str, ...]:
     systems = tuple(s.strip() for s in flag.split(",") if s.strip())
-    unknown = [s for s in systems if s not in OURS + HF]
+    unknown = [s for s in systems if s not in ALL_OURS + HF]
     if unknown:
-        raise UserError(f"unknown system(s) {', '.join(unknown)}: choose from {', '.join(OURS + HF)}")
+        raise UserError(f"unknown system(s) {', '.join(unknown)}: choose from {', '.join(ALL_OURS + HF)}")
     return systems
 
 
@@ -144,9 +144,8 @@ def system_configs(run: RunConfig, systems, prompt_len: int, say=None) -> dict:
     resolves them (the budget comes out the same for every mode that retrieves); the budget note
     is said once."""
     cfgs = {}
-    for system in [s for s in systems if s in OURS]:
-        mode = engine_mode(system)
-        cfgs[system] = generation_config(replace(run, mode=mode, adaptive=mode != system), prompt_len,
+    for system in [s for s in systems if s in ALL_OURS]:
+        cfgs[system] = generation_config(replace(run, **system_settings(system)), prompt_len,
                                          None if cfgs else say)
     return cfgs
 
@@ -169,7 +168,7 @@ def bench_context(session, plan: BenchPlan, ids, context, hf=None, hf_skip=None)
                     why = hf.prefill_cache(s, plan.new_tokens)
                     if why:
                         hf_skip[s] = why
-    systems = [s for s in plan.systems if s in OURS or (hf is not None and s in HF and s not in hf_skip)]
+    systems = [s for s in plan.systems if s in ALL_OURS or (hf is not None and s in HF and s not in hf_skip)]
     results = time_systems(session, plan, systems, cfgs, base, prefilled, max_len, hf, context)
     reference = results.get("autoregressive", {}).get("tokens")
     drafter_cfg = session.loaded.models.drafter.cfg if session.loaded.models.drafter is not None else session.config
@@ -205,9 +204,9 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "prefill_seconds": prefill_seconds,
         "same_tokens": same, "budget": cfg.budget, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
         "rope_scaling": session.config.rope_scaling,
-        "seconds": stats["seconds"] if mode in OURS else None,
+        "seconds": stats["seconds"] if mode in ALL_OURS else None,
         "ms_per_pass": ms_per_pass(mode, stats, seconds),
-        "link_floor": link_floor(stats, session.device) if mode in OURS else None,
+        "link_floor": link_floor(stats, session.device) if mode in ALL_OURS else None,
         "modes": stats.get("modes") or None,  # an adaptive system's full passes per mode
     }
     return row
@@ -216,7 +215,7 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
 def ms_per_pass(mode: str, stats: dict, seconds: float) -> dict:
     """{level: ms per pass}: ours from the per-level clocks; transformers' single-model systems the
     whole decode over their forward passes (assisted generation's two models are not timed apart)."""
-    if mode in OURS:
+    if mode in ALL_OURS:
         return level_ms_per_pass(stats)
     passes = stats["passes"]["verify"]
     return {"verify": 1e3 * seconds / passes} if passes and mode != "hf-assisted" else {}

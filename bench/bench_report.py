@@ -5,7 +5,7 @@ import os
 import platform
 from pathlib import Path
 
-from bench.measure import OURS
+from bench.measure import ALL_OURS
 
 
 def hardware() -> dict:
@@ -152,7 +152,7 @@ def _lines(ax, matplotlib, rows) -> None:
     for s in dict.fromkeys(r["system"] for r in rows):
         pts = sorted((r["context"], r["tokens_per_second"]) for r in rows if r["system"] == s)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s,
-                linestyle="-" if s in OURS else "--")
+                linestyle="-" if s in ALL_OURS else "--")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["context"] for r in rows}))
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{int(x):,}"))
@@ -163,7 +163,7 @@ def _lines(ax, matplotlib, rows) -> None:
 def _bars(ax, rows) -> None:
     names = [r["system"] for r in rows]
     bars = ax.bar(names, [r["tokens_per_second"] for r in rows],
-                  color=["tab:blue" if n in OURS else "tab:gray" for n in names])
+                  color=["tab:blue" if n in ALL_OURS else "tab:gray" for n in names])
     ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.set_xlabel(f"system (context {rows[0]['context']:,} tokens)" if rows else "system")
     ax.tick_params(axis="x", labelsize=8, rotation=20)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-OURS = "autoregressive,speculative,retrieval,triforce"
+OURS = "autoregressive,speculative,retrieval,triforce,triforce-host"  # triforce: device rounds on a GPU
 MODEL = "models/smollm2-135m"
 
 

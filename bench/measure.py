@@ -12,13 +12,28 @@ import time
 from triforce.runtime.report import level_ms_per_pass, link_floor, pinned_h2d_bandwidth, torch_device_type  # noqa: F401
 from triforce.speculative.engine import synchronize
 
-OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems
-ADAPTIVE = {"adaptive": "triforce"}  # an adaptive system -> the mode whose levels it builds
+OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems, measured by default
+VARIANTS = ("triforce-device", "triforce-host")  # ours too, on request (--systems): triforce's two kinds of rounds
+ALL_OURS = OURS + VARIANTS
+# a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
+SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
+                "triforce-device": ("triforce", {"device_rounds": True}, ["--no-adaptive", "--device-rounds"]),
+                "triforce-host": ("triforce", {"device_rounds": False}, ["--no-adaptive", "--no-device-rounds"])}
 
 
 def engine_mode(system: str) -> str:
-    """The Generator mode of one of our systems: its own name, or the levels an adaptive one builds."""
-    return ADAPTIVE.get(system, system)
+    """The Generator mode of one of our systems: its own name, or the levels it builds."""
+    return SYSTEM_MODES.get(system, (system,))[0]
+
+
+def system_settings(system: str) -> dict:
+    """Settings overrides of one of our systems: a mode runs as itself, not adaptive."""
+    return {"mode": engine_mode(system), "adaptive": False, **SYSTEM_MODES.get(system, (None, {}))[1]}
+
+
+def system_flags(system: str) -> list[str]:
+    """generate.py's flags that run one of our systems."""
+    return ["--mode", engine_mode(system), *SYSTEM_MODES.get(system, (None, {}, ["--no-adaptive"]))[2]]
 TIE_ULPS = 4  # a logit gap of at most 4 units in the last place of the dtype (at the top logit) is rounding
 
 

@@ -46,6 +46,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run each level's small passes (drafts, verifications) as torch.compile'd graphs over "
                         "static shapes, captured as CUDA graphs on a GPU: fewer kernels per layer, after tens "
                         "of seconds of compiling per level and pass length")
+    g.add_argument("--device-rounds", action=argparse.BooleanOptionalAction, default=DEFAULTS.device_rounds,
+                   help="triforce's drafter->middle rounds with no host read inside: every pass has a fixed "
+                        "shape and the full pass verifies what the middle level made, capped on the device "
+                        "(default: on a GPU, where each read stalls the queue; off on CPU)")
     g.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree (launch with torchrun)")
     g.add_argument("--weights", default=DEFAULTS.weights, choices=["auto", "stored", "dequantized"],
                    help="stored: compute with the GGUF's 4-/8-bit blocks a prepared model was made from (CPU, "

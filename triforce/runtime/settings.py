@@ -39,6 +39,7 @@ class Settings:
     offload_chunk: int = 4096
     cuda_graphs: bool | None = None  # None: on for a single CUDA device
     compile: bool = False  # each level's small passes as torch.compile'd graphs (seconds to compile per shape)
+    device_rounds: bool | None = None  # triforce's drafter->middle rounds without host reads; None: on a GPU
     tp: int = 1
     lower_weights: str = "auto"  # the proposing levels' weights: auto (int8 on a bf16 CPU), same, int8
     weights: str = "auto"  # stored: compute with a GGUF's blocks (CPU); dequantized; auto: stored where it pays
@@ -144,7 +145,7 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
         gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
         draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
         prefill_chunk=run.prefill_chunk,  # None: the device's default piece (GenerationConfig.prefill_piece)
-        adaptive=run.adaptive)
+        adaptive=run.adaptive, device_rounds=run.device_rounds)
 
 
 def generation_plan(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):

@@ -5,8 +5,9 @@ preallocated tensor of ids); a `Level` is a model plus a cache holding a prefix 
 `Level.run(seq, end, n)` brings the cache in line with seq[:end] (rolling back what changed, feeding
 what is missing) and returns the logits of the last n positions. Proposers write n tokens into the
 sequence and return the distributions they drew them from; tokens, distributions and acceptance
-stay on the device, and the host reads once per full-cache round (plus once per middle-level pass,
-whose acceptance decides where the drafter goes next):
+stay on the device, and the host reads once per full-cache round (plus, in triforce's host-driven
+rounds, once per middle-level pass, whose acceptance decides where the drafter goes next; its device
+rounds, rounds.py, make no such read):
 
     autoregressive proposer   one level sampling token by token (the drafter, or the middle level)
     speculative proposer      a source proposer drafts gamma tokens, this level verifies them in one
@@ -150,10 +151,14 @@ class Level:
             self.held += fed
             self.cache.rollback(self.held)  # a half-done forward (e.g. Ctrl-C) leaves no trace
             raise
-        if self.stats.phase != "prefill":
-            # a pass that captured a CUDA graph paid a one-time cost, not what the next one will
-            self.timings.append((ids.shape[0], start, self.clock.now(), getattr(self.model, "captures", 0) == captures))
+        # a pass that captured a CUDA graph paid a one-time cost, not what the next one will
+        self.timed(ids.shape[0], start, typical=getattr(self.model, "captures", 0) == captures)
         return torch.cat(logits)[-n_out:]
+
+    def timed(self, tokens: int, start, typical: bool = True) -> None:
+        """A decode pass of `tokens` tokens began at `start` (PassClock.now()) and was just queued."""
+        if self.stats.phase != "prefill":
+            self.timings.append((tokens, start, self.clock.now(), typical))
 
     def report(self) -> None:
         """Hand the passes' times to the statistics and the chooser, once the host has waited anyway."""

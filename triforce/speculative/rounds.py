@@ -122,7 +122,7 @@ class DeviceRoundProposer:
             logits = level.model.run_view(view, ids, last_only)
         else:
             logits = level.model(ids, view, last_only)
-        level.timings.append((T, begun, level.clock.now(), True))
+        level.timed(T, begun)
         return logits
 
     # ------------------------------------------------------------------ after the read (host)
