@@ -106,6 +106,24 @@ def test_the_bar_moves_a_layer_at_a_time_within_a_piece(tiny_folder, monkeypatch
     assert "left" in before_the_piece_ended[1]  # a time left from the first layer on
 
 
+def test_a_self_drafters_window_does_not_push_the_bar_past_the_prompt(tiny_folder):
+    """Triforce with the target drafting for itself: the drafter's window prefill runs the same layers
+    after the prompt's last piece. The bar ends at the prompt's tokens, not past them (it showed
+    16,404 of 16,384 in a bench run)."""
+    from triforce.model.loader import load_model
+    from triforce.speculative import GenerationConfig
+    from triforce.speculative.engine import Generator, Models
+
+    model = load_model(tiny_folder, max_len=128)
+    cfg = GenerationConfig(max_new_tokens=1, budget=32, chunk_size=8, draft_window=16, prefill_chunk=40)
+    gen = Generator(Models(model, None), cfg, "triforce", max_len=128)
+    bar, advance = prefill.prefill_progress(Console(file=io.StringIO(), force_terminal=False, width=120), 80)
+    with bar, prefill.watch_layers(model, advance):
+        gen.prefill([3 + i % 20 for i in range(80)], progress=advance)
+        advance.catch_up()
+    assert bar.tasks[0].completed == 80
+
+
 def test_layers_are_watched_only_inside(tiny_folder):
     import torch
 

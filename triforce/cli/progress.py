@@ -186,7 +186,7 @@ class PrefillAdvance:
     def expected_position(self) -> float:
         """Tokens done by now as the clock expects: those reported, and the share of the layer under
         way that its expected seconds say is done, up to that layer's end."""
-        done = self.clock.position
+        done = min(self.clock.position, self.total)  # a self-drafter's window prefill reports through the same layers
         if not self.layers or self.clock.piece_fraction >= 1 - 1e-9:
             return done  # no layer seen yet, or every layer of the piece done: nothing to expect
         tokens = min(self.piece_tokens, self.total - self.clock.at)
