@@ -57,4 +57,5 @@ def test_compiled_fewer_kernels_per_layer_and_fused(generators):
     eager = per_layer(kernels.eager_ops, generators, "eager", "verify", T, 2, 4)
     assert compiled == int(compiled) > 0 and compiled < eager / 4
     assert kernels.fusions(large) == {"rmsnorm": True, "rope": True, "silu_mul": True}
+    assert kernels.mask_kernels(large) == 1  # one per pass, of any depth
     torch._dynamo.reset()
