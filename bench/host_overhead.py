@@ -5,9 +5,11 @@ pass costs is the host's: Python, dispatch, and on a GPU every wait for the devi
 greedy and sampled, it reports host waits per full-cache round (counted at the call sites where a
 GPU host would wait: triforce/speculative/hostsync.py), aten ops per generated token (a dispatch
 counter), and host milliseconds per pass and per token, beside transformers' StaticCache decode step
-on the same weights. JSON goes to --out.
+on the same weights. Then kernels per transformer layer of one pass of each level, eager (aten ops)
+and compiled (the kernels of the --compile graph), from two shallow models (bench/kernels.py).
+JSON goes to --out.
 
-    python -m bench.host_overhead [--layers 30 --hidden 64 --context 512 --new-tokens 48]
+    python -m bench.host_overhead [--layers 30 --hidden 64 --context 512 --new-tokens 48 --no-compile]
 """
 from __future__ import annotations
 
@@ -19,26 +21,15 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench import kernels
+from bench.kernels import OpCounter
 from triforce.model.loader import load_model
 from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.engine import MODES
 from triforce.speculative.hostsync import HostSyncCounter
 
 PROGRESS_AFTER_SECONDS = 10.0
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops run while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def parse_args(argv):
@@ -52,6 +43,10 @@ def parse_args(argv):
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--gamma1", type=int, default=4)
     ap.add_argument("--gamma2", type=int, default=6)
+    ap.add_argument("--kernel-layers", default="3,5",
+                    help="the two depths whose difference gives kernels per layer (bench/kernels.py)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="kernels per layer eager only: skips torch.compile (about 2 minutes cold)")
     ap.add_argument("--out", default="results/host-overhead-cpu.json")
     return ap.parse_args(argv)
 
@@ -164,13 +159,19 @@ def main(argv=None) -> int:
     static = measure_static_cache(hf_model, prompt, steps=args.new_tokens)
     if static is not None:
         rows.append(static)
+    layers = tuple(int(n) for n in args.kernel_layers.split(","))
+    per_layer = kernels.measure(layers, args.gamma1, args.gamma2, args.hidden, not args.no_compile,
+                                say=lambda line: print(line, file=sys.stderr, flush=True))
     text = table(rows)
     print(f"{args.layers} layers, hidden {args.hidden}, {args.context}-token prompt, {args.new_tokens} new tokens, "
           f"gamma1 {args.gamma1}, gamma2 {args.gamma2}, budget {args.budget}; CPU, 1 thread")
     print(text)
+    print(f"\nkernels per transformer layer, one pass (the difference of {layers[0]} and {layers[1]} layers)")
+    print(kernels.table(per_layer))
+    print("\n".join(kernels.summary(per_layer)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
+    out.write_text(json.dumps({"settings": vars(args), "rows": rows, "kernels_per_layer": per_layer}, indent=1))
     print(f"wrote {out}")
     return 0
 

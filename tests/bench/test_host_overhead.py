@@ -1,5 +1,6 @@
 """bench.host_overhead at toy size: every mode and transformers' StaticCache row, JSON written,
-one host wait per round where no middle level verifies, a table that fits 80 columns."""
+one host wait per round where no middle level verifies, eager kernels per layer for every level's
+pass, tables that fit 80 columns."""
 import json
 
 from bench import host_overhead
@@ -8,8 +9,9 @@ from bench import host_overhead
 def test_host_overhead_small(tmp_path, capsys):
     out = tmp_path / "ho.json"
     assert host_overhead.main(["--layers", "2", "--hidden", "32", "--context", "120", "--new-tokens", "8",
-                               "--budget", "64", "--chunk", "8", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                               "--budget", "64", "--chunk", "8", "--no-compile", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
     ours = [r for r in rows if r["mode"] != "hf-static"]
     assert {(r["mode"], r["sampled"]) for r in ours} == {(m, s) for m in host_overhead.MODES for s in (False, True)}
     for r in ours:
@@ -19,5 +21,9 @@ def test_host_overhead_small(tmp_path, capsys):
         else:
             assert r["waits_per_round"] == 1.0 and r["waits_by_site"] == {"tolist": r["rounds"]}
     assert [r["mode"] for r in rows][-1] == "hf-static"
+    passes = {(r["level"], r["tokens"]) for r in saved["kernels_per_layer"]}
+    assert passes == {("draft", 1), ("middle", 1), ("middle", 5), ("verify", 1), ("verify", 5), ("verify", 7)}
+    for r in saved["kernels_per_layer"]:
+        assert r["eager_ops_per_layer"] > 0 and "compiled_kernels_per_layer" not in r
     printed = capsys.readouterr().out
     assert max(len(line) for line in printed.splitlines() if not line.startswith(("wrote", "2 layers"))) <= 80

@@ -45,6 +45,8 @@ class StaticView:
         self.slots = torch.zeros(T, dtype=torch.long, device=device)
         self.offsets = torch.arange(T, device=device)
         self.key_slots = torch.arange(cache.capacity, device=device)
+        # additive (0 or -inf) in the attention's dtype, so no layer converts it either
+        self.mask = torch.zeros(T, cache.capacity, dtype=cache.k.dtype, device=device)
 
     def set(self, positions: torch.Tensor, start: int) -> None:
         """Point the view at this call's RoPE positions and the slots [start, start + T)."""
@@ -52,6 +54,9 @@ class StaticView:
         torch.add(self.offsets, start, out=self.slots)
 
     def begin(self, T: int) -> torch.Tensor:
+        # the causal mask, once per pass and inside the graph; every layer reads it. A query sees every
+        # slot up to its own: earlier tokens, never later ones or stale slots
+        self.mask.fill_(0).masked_fill_(self.key_slots[None, :] > self.slots[:, None], float("-inf"))
         return self.positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -63,10 +68,8 @@ class StaticView:
         keys.index_copy_(1, self.slots, k.transpose(0, 1).to(keys.dtype))  # a 16-bit cache under float32 compute
         values.index_copy_(1, self.slots, v.transpose(0, 1).to(values.dtype))
         keys, values = keys.to(q.dtype), values.to(q.dtype)
-        # a query sees every slot up to its own: earlier tokens, never later ones or stale slots
-        visible = self.key_slots[None, :] <= self.slots[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=visible, enable_gqa=True)
+                                             attn_mask=self.mask.to(q.dtype), enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
     def end(self, T: int) -> None:
