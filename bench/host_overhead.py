@@ -65,13 +65,14 @@ def tiny_checkpoint(args, folder: Path):
 
 
 def measure_mode(models, args, mode: str, temperature: float, prompt: list[int]) -> dict:
-    """Three generations from the same prompt: timed, counting host waits, counting aten ops."""
+    """Three generations from the same prompt: timed, counting host waits, counting aten ops.
+    "triforce-device" is triforce with its drafter->middle rounds on the device (the GPU default)."""
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, budget=args.budget, chunk_size=args.chunk,
                            gamma1=args.gamma1, gamma2=args.gamma2, draft_window=args.budget, sink_tokens=4,
-                           temperature=temperature)
+                           temperature=temperature, device_rounds=mode.endswith("-device"))
 
     def fresh():
-        gen = Generator(models, cfg, mode, len(prompt) + 2 * args.new_tokens)
+        gen = Generator(models, cfg, mode.removesuffix("-device"), len(prompt) + 2 * args.new_tokens)
         gen.prefill(prompt)
         return gen
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, args.vocab, (args.context,), generator=torch.Generator().manual_seed(1)).tolist()
     rows = []
     for temperature in (0.0, 0.8):
-        for mode in MODES:
+        for mode in (*MODES, "triforce-device"):
             progress(f"{mode} {'sampled' if temperature else 'greedy'}")
             rows.append(measure_mode(models, args, mode, temperature, prompt))
     progress("transformers StaticCache")

@@ -13,11 +13,12 @@ def test_host_overhead_small(tmp_path, capsys):
     saved = json.loads(out.read_text())
     rows = saved["rows"]
     ours = [r for r in rows if r["mode"] != "hf-static"]
-    assert {(r["mode"], r["sampled"]) for r in ours} == {(m, s) for m in host_overhead.MODES for s in (False, True)}
+    systems = (*host_overhead.MODES, "triforce-device")
+    assert {(r["mode"], r["sampled"]) for r in ours} == {(m, s) for m in systems for s in (False, True)}
     for r in ours:
         assert r["ops_per_token"] > 0 and r["host_ms_per_pass"] > 0
         if r["mode"] == "triforce":
-            assert r["waits_per_round"] > 1  # one more per middle-level verification
+            assert r["waits_per_round"] > 1  # host-driven rounds: one more per middle-level verification
         else:
             assert r["waits_per_round"] == 1.0 and r["waits_by_site"] == {"tolist": r["rounds"]}
     assert [r["mode"] for r in rows][-1] == "hf-static"
