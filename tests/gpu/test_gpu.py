@@ -1,5 +1,7 @@
 """GPU-only checks: the offloaded cache on CUDA (side stream, events, pinned store), flash-attn vs
 SDPA, and CUDA graphs vs eager. Every test skips on a machine without CUDA."""
+import warnings
+
 import pytest
 import torch
 
@@ -34,9 +36,9 @@ def models(tmp_path_factory):
     return target, drafter
 
 
-def run(models, mode, factory=None, graphs=None):
+def run(models, mode, factory=None, graphs=None, cfg=CFG):
     ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(3)).tolist()
-    gen = Generator(models, CFG, mode, len(ids) + CFG.max_new_tokens, full_cache_factory=factory)
+    gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens, full_cache_factory=factory)
     wrapped = enable_cuda_graphs(gen, eager_static=graphs == "static") if graphs else []
     gen.prefill(ids)
     return gen.generate(), gen, wrapped
@@ -80,6 +82,44 @@ def test_cuda_graphs_give_the_same_tokens(models):
     assert all(w.replays > 0 and any(c.graph is not None for c in w.captured.values()) for w in wrapped)
     # a replay runs exactly the kernels of the static view: acceptance is identical, not just close
     assert dict(graph_gen.stats.accepted) == dict(static_gen.stats.accepted)
+
+
+@cuda
+@pytest.mark.parametrize("graphs", [None, "cuda"])
+def test_device_rounds_on_cuda_read_once_per_round(models, graphs):
+    """Triforce's device rounds (the CUDA default) and its host-driven rounds decode the
+    autoregressive tokens; the device rounds' host waits once per full-cache round."""
+    from dataclasses import replace
+
+    from triforce.speculative.hostsync import HostSyncCounter
+
+    target, drafter = models
+    pair = Models(target, drafter)
+    reference, _, _ = run(Models(target, None), "autoregressive")
+    host, _, _ = run(pair, "triforce", graphs=graphs, cfg=replace(CFG, device_rounds=False))
+    assert host == reference
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(3)).tolist()
+    gen = Generator(pair, CFG, "triforce", len(ids) + CFG.max_new_tokens)
+    assert gen.device_rounds
+    if graphs:
+        enable_cuda_graphs(gen)
+    gen.prefill(ids)
+    out, rounds = [gen.context[-1]], 0
+    # CUDA's own sync detector sees every synchronizing call, not only the entry points we patch;
+    # graph captures synchronize once, so only the eager run is counted
+    with warnings.catch_warnings(record=True) as caught, HostSyncCounter() as waits:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while len(out) < CFG.max_new_tokens:
+                out += gen.step()
+                rounds += 1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert out[:CFG.max_new_tokens] == reference
+    if not graphs:
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert waits.total == rounds and len(syncs) == rounds, (dict(waits.by_site), [str(w.message) for w in syncs][:3])
 
 
 @cuda
