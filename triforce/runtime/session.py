@@ -242,6 +242,12 @@ class Session:
                          + (" (--weights auto)" if run.weights == "auto" else "")))
         if getattr(self, "kv_dtype", None) is not None:
             rows.append(("KV cache", _dtype_name(self.kv_dtype) + (" (--kv-dtype auto)" if run.kv_dtype == "auto" else "")))
+        if cfg is not None and run.mode == "triforce":
+            device_rounds = cfg.rounds_on_device(self.device)
+            rows.append(("drafter->middle rounds", ("on the device, one host read per full pass" if device_rounds
+                                                    else "host-driven, a read per middle pass")
+                         + ((" (default on a GPU)" if device_rounds else " (default on CPU)")
+                            if run.device_rounds is None else "")))
         if cfg is not None:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else
                          f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))
