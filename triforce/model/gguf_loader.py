@@ -18,6 +18,7 @@ from torch import nn
 from .config import ModelConfig
 from .errors import UserError
 from .gguf_blocks import FORMS, STORED_TYPES, GgufCheckpoint
+from . import stored_f32
 from .rope import Rotary
 from .stored import PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
 from .transformer import Transformer
@@ -59,17 +60,29 @@ def _sha256(path: Path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def stored_kernel_pays(dtype: torch.dtype) -> bool:
-    """True when the packed int4 kernel beats a dense matmul for one row in `dtype` on this CPU,
+    """True when the stored weights' product beats a dense matmul for one row in `dtype` on this CPU,
     timed on a matrix larger than the last-level cache (both read from memory, as a decode step
-    does). torch's fast int4 path is bf16 (avx512/avx2); its float32 path is a slow reference."""
+    does): torch's packed int4 kernel for bfloat16/float16, the compiled product (stored_f32) for
+    float32, the route PackedLinear takes in that dtype."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _int4_kernels_available():
         return False
-    rows, cols = 32768, 1024  # 64 MB of float32, 32 MB of bf16, 16 MB of int4 codes
+    if dtype == torch.float32 and not stored_f32.available():
+        return False
+    rows, cols = 32768, 1024  # 128 MB of float32, 64 MB of bf16, 16 MB of int4 codes
     dense = torch.full((rows, cols), 0.01, dtype=dtype)
-    codes = torch.full((rows, cols), 5, dtype=torch.int32)  # values do not change the kernel's speed
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    scales_and_zeros = torch.full((cols // 32, rows, 2), 0.01, dtype=dtype)
     x = torch.ones(1, cols, dtype=dtype)
+    if dtype == torch.float32:
+        codes = torch.full((rows, cols // 2), 0x35, dtype=torch.uint8)  # values do not change the speed
+        scales = torch.full((rows, cols // 32), 0.01)
+
+        def stored():
+            return stored_f32.rows_product(x, codes, scales, scales)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((rows, cols), 5, dtype=torch.int32), 1)
+        scales_and_zeros = torch.full((cols // 32, rows, 2), 0.01, dtype=dtype)
+
+        def stored():
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
 
     def best(fn) -> float:
         fn()
@@ -80,7 +93,7 @@ def stored_kernel_pays(dtype: torch.dtype) -> bool:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    kernel = best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros))
+    kernel = best(stored)
     plain = best(lambda: torch.nn.functional.linear(x, dense))
     return kernel < 0.7 * plain
 

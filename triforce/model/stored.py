@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import stored_f32
 from .gguf_blocks import BLOCK, FORMS, Blocks
 
 # Above this many rows (prefill, window refills) the weights are dequantized for one dense GEMM:
@@ -63,6 +64,11 @@ class PackedLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())  # (N, K' / 32), exact f16 values
         self.register_buffer("zeros", zeros.float().contiguous())
         self.kernel_dtype = dtype if dtype in KERNEL_DTYPES and _int4_kernels_available() else None
+        # float32: the compiled one-row product (stored_f32), where it builds; torch's float32 int4
+        # path is a slow reference
+        self.compiled_f32 = dtype == torch.float32 and stored_f32.available()
+        if self.compiled_f32:
+            self.kernel_dtype = None
         if self.kernel_dtype is not None:
             # the kernel packs rows 16 at a time: pad with zero weights (scale 0, zero 0), cut after
             pad = -self.out_features % KERNEL_ROW_MULTIPLE
@@ -75,6 +81,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.compiled_f32 and x.dtype == torch.float32 and rows.shape[0] <= PACKED_KERNEL_MAX_ROWS and x.device.type == "cpu":
+            out = stored_f32.rows_product(torch.cat([rows] * self.repeat, dim=-1), self.codes, self.scales, self.zeros)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*x.shape[:-1], self.out_features)
         if rows.shape[0] > PACKED_KERNEL_MAX_ROWS or x.dtype != self.kernel_dtype or not x.device.type == "cpu":
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         if self.repeat > 1:
@@ -101,7 +112,8 @@ class PackedLinear(nn.Module):
         return self.codes.numel() + 2 * self.scales.numel() * elem + bias
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={self.kernel_dtype}"
+        kernel = "compiled float32" if self.compiled_f32 else self.kernel_dtype
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={kernel}"
 
 
 def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | None = None) -> PackedLinear:
