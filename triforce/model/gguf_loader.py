@@ -137,11 +137,17 @@ def stored_share(folder: str | Path) -> float:
     return open_checkpoint(str(folder)).stored_share()
 
 
-@functools.lru_cache(maxsize=2)
 def open_checkpoint(path: str) -> GgufCheckpoint:
     """A parsed GGUF (its metadata takes seconds to read for a large vocabulary), kept for the load
-    that usually follows the question of whether to load it."""
+    that usually follows the question of whether to load it; a file rewritten since is parsed again."""
+    st = Path(path).stat()
+    return _open_checkpoint(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_checkpoint(path: str, size: int, mtime_ns: int) -> GgufCheckpoint:
     return GgufCheckpoint(path)
+
 
 
 def _reverse_permute_rows(rows: int, heads: int) -> torch.Tensor:
