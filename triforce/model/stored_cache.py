@@ -5,8 +5,9 @@ and more, against 0.2 s for its dequantized folder).
 The file sits beside the GGUF (models/.cache for prepared folders):
 <gguf name>.<dtype>.packed.safetensors, every tensor of the model's state as loaded, and in its
 metadata what it was built from: the GGUF's SHA-256, torch's version, the CPU capability torch
-dispatches to (the int4 kernel packs per ISA), the dtype and FORMAT (bumped when the packed buffers
-change), plus the GGUF's tensor table and model config, which rebuild the modules without the GGUF.
+dispatches to (the int4 kernel packs per ISA), the dtype, the float32 route and FORMAT (bumped when
+the packed buffers change), plus the GGUF's tensor table and model config, which rebuild the
+modules without the GGUF.
 A file whose key differs, or that does not read, is rebuilt with a one-line note on stderr.
 TRIFORCE_STORED_CACHE=0 turns the cache off.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import stored_f32
 from .config import ModelConfig
 
 FORMAT = "1"
@@ -34,8 +36,10 @@ def cache_path(gguf: Path, dtype: torch.dtype) -> Path:
 
 
 def cache_key(sha256: str, dtype: torch.dtype) -> dict[str, str]:
+    # float32 layers hold the compiled product's buffers, or the int4 kernel's where it does not build
+    route = ("compiled" if stored_f32.available() else "int4pack") if dtype == torch.float32 else "int4pack"
     return {"gguf_sha256": sha256, "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-            "dtype": str(dtype), "format": FORMAT}
+            "dtype": str(dtype), "route": route, "format": FORMAT}
 
 
 def note(text: str) -> None:
