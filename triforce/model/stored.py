@@ -102,6 +102,8 @@ class PackedLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W (N, K) in `dtype`: (code - 8) * scale + zero per group in float32 (float64 for float64),
         the hi/lo halves of Q8_0 summed (exact: both are small integers times d)."""
+        if self.compiled_f32 and dtype == torch.float32:
+            return stored_f32.dense_weights(self.codes, self.scales, self.zeros, self.repeat)
         exact = torch.float64 if dtype == torch.float64 else torch.float32
         codes = torch.stack([self.codes & 15, self.codes >> 4], dim=-1).view(self.out_features, -1, BLOCK)
         w = (codes.to(exact) - 8) * self.scales.to(exact)[..., None] + self.zeros.to(exact)[..., None]
