@@ -13,6 +13,7 @@ One thread, one row (a decode step), random Q4_1-like blocks (f16 scales). Route
                    read once), summed in float32
     int8_f32/bf16  _weight_int8pack_mm (one scale per row: cannot hold per-block scales; speed only)
     compiled       triforce.model.stored_f32: inductor's fused dequantize-and-dot over the codes
+    compiled_q8    the same over Q8_0 blocks (bytes q + 128 and d per 32) of the same shape
 
 Error: max |y - y64| / max |y64| against the float64 product with the same weights. ATEN_CPU_CAPABILITY
 changes the ISA torch's own kernels and inductor's generated code use; oneDNN (the dense bf16 matmul)
@@ -66,6 +67,8 @@ def routes_for(n: int, k: int, g: torch.Generator) -> tuple[dict, torch.Tensor, 
     }
     if stored_f32.available():
         routes["compiled"] = lambda: stored_f32.rows_product(x, nibbles, scales, zeros)
+        offset = (q8.to(torch.int16) + 128).to(torch.uint8)  # Q8_0 blocks of this shape, as ByteCodesLinear
+        routes["compiled_q8"] = lambda: stored_f32.byte_rows_product(x, offset, scales)
     y64 = x.double() @ w.double().t()
     # split3's error without the scales' rounding: the same product with bf16-exact scales and zeros
     wb = ((codes.double() - 8).view(n, -1, 32) * szbf[..., 0].t().double()[..., None]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from triforce.model import gguf_loader, stored_cache, stored_f32
 from triforce.model.gguf_loader import load_gguf_model
-from triforce.model.stored import PackedLinear, concat_blocks, packed_from_blocks
+from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, concat_blocks, packed_from_blocks
 from triforce.speculative import GenerationConfig, Models, generate_ids
 from triforce.speculative.caches import FullCache
 
@@ -30,11 +30,25 @@ def test_compiled_float32_product_is_the_gguf_matrix_and_each_row_its_own(kind):
     bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
     layer = packed_from_blocks(blocks, torch.float32, bias)
     assert layer.compiled_f32 and layer.kernel_dtype is None and not hasattr(layer, "packed")
+    assert torch.equal(layer.dequantized(torch.float64), blocks.dequantize())
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(4))
     expected = F.linear(x.double(), blocks.dequantize(), bias.double())
     got = layer(x)
     assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
     assert torch.equal(got[2:3], layer(x[2:3]))
+
+
+@needs_compiled
+def test_q8_0_as_bytes_reads_every_code_back_exactly():
+    from triforce.model.gguf_blocks import Blocks
+    from triforce.model.stored import ByteCodesLinear
+
+    q = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(8, 32)
+    layer = packed_from_blocks(Blocks("Q8_0", q, torch.full((8, 1), 0.5), None), torch.float32)
+    assert isinstance(layer, ByteCodesLinear) and layer.bytes_per_row_pass() == 8 * 32 + 8 * 4
+    assert torch.equal(layer(torch.eye(32)[:PACKED_KERNEL_MAX_ROWS]).t(), (q.float() * 0.5)[:, :PACKED_KERNEL_MAX_ROWS])
+    assert torch.equal(layer.dequantized(torch.float32), q.float() * 0.5)
+    assert torch.equal(layer.dequantized(torch.float64), q.double() * 0.5)
 
 
 @needs_compiled

@@ -24,7 +24,7 @@ import torch
 from . import stored_f32
 from .config import ModelConfig
 
-FORMAT = "1"
+FORMAT = "2"  # 2: float32 Q8_0/Q5_0 layers hold bytes (ByteCodesLinear)
 
 
 def enabled() -> bool:

@@ -65,6 +65,34 @@ def rows_product(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     return torch.stack(outs)
 
 
+def _byte_row_product(x: torch.Tensor, words: torch.Tensor, d: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Q8_0/Q5_0 as bytes q + 128: x (K/32, 4, 8) with x[b, i, p] column 4p + i of block b (byte i of
+    word p); words (N, K/32, 8) int32; d (N, K/32) -> (N,). The words run innermost: 8 lanes on avx2."""
+    codes = ((words[..., None, :] >> shifts[:, None]) & 255).to(torch.float32) - 128
+    return (x * (codes * d[..., None, None])).sum((-1, -2, -3))
+
+
+def _byte_weights(words: torch.Tensor, d: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    codes = ((words[..., None] >> shifts) & 255).to(torch.float32) - 128  # (N, K/32, 8 words, 4 bytes)
+    return (codes * d[..., None, None]).flatten(1)
+
+
+BYTE_SHIFTS = torch.arange(4, dtype=torch.int32) * 8
+
+
+def byte_rows_product(rows: torch.Tensor, offset_codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """rows (R, K) float32, offset_codes (N, K) uint8 (q + 128), d (N, K/32) -> (R, N)."""
+    fn = _compiled(_byte_row_product)
+    words = offset_codes.view(torch.int32).view(offset_codes.shape[0], -1, GROUP // 4)
+    xs = rows.view(rows.shape[0], -1, GROUP // 4, 4).transpose(-1, -2).contiguous()
+    return torch.stack([fn(x, words, d, BYTE_SHIFTS) for x in xs])
+
+
+def byte_dense_weights(offset_codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    words = offset_codes.view(torch.int32).view(offset_codes.shape[0], -1, GROUP // 4)
+    return _compiled(_byte_weights)(words, d, BYTE_SHIFTS)
+
+
 def dense_weights(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
     """(N, K / repeat) float32: what PackedLinear.dequantized computes, as one fused kernel (eager
     takes 8-36x longer: 369 against 46 ms for SmolLM2's Q8_0 head, a cost every prefill chunk pays)."""
@@ -80,11 +108,15 @@ def available() -> bool:
     scales = torch.rand(64, 4, generator=g) * 0.01
     zeros = -8 * scales
     x = torch.randn(1, 128, generator=g)
+    signed = torch.randint(-128, 128, (64, 128), dtype=torch.int8, generator=g)
     try:
         got = rows_product(x, codes, scales, zeros)
+        got_bytes = byte_rows_product(x, (signed.to(torch.int16) + 128).to(torch.uint8), scales)
     except Exception:  # noqa: BLE001 - any compile failure (no compiler, no headers) means "not here"
         return False
-    return torch.allclose(got.double(), x.double() @ dequantize64(codes, scales, zeros).t(), rtol=1e-5, atol=1e-5)
+    signed_weights = (signed.double().view(64, 4, GROUP) * scales.double()[..., None]).view(64, 128)
+    return (torch.allclose(got.double(), x.double() @ dequantize64(codes, scales, zeros).t(), rtol=1e-5, atol=1e-5)
+            and torch.allclose(got_bytes.double(), x.double() @ signed_weights.t(), rtol=1e-5, atol=1e-5))
 
 
 def dequantize64(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
