@@ -126,7 +126,7 @@ def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | 
     forms = {FORMS.get(kind) for kind in blocks.kind.split("+")}
     if forms == {"affine"}:  # Q4_K arrives decoded into Q4_1's per-32 form
         layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind)
-    elif forms == {"signed"} and dtype == torch.float32 and stored_f32.available():
+    elif forms == {"signed"} and dtype == torch.float32 and stored_f32.available() and stored_f32.bytes_pay():
         layer = ByteCodesLinear(blocks.q, blocks.d, bias, blocks.kind)
     elif forms == {"signed"}:  # Q5_0 arrives decoded into Q8_0's form
         q = blocks.q.to(torch.int16)
