@@ -21,7 +21,7 @@ from .errors import UserError
 from .gguf_blocks import BLOCK, FORMS, STORED_TYPES, Blocks, GgufCheckpoint
 from . import stored_cache, stored_f32
 from .rope import Rotary
-from .stored import PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
+from .stored import ByteCodesLinear, PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
 from .transformer import Transformer
 
 WEIGHTS = ("auto", "stored", "dequantized")
@@ -319,11 +319,12 @@ def _load_block(src: _Source, block: nn.Module, hf: str) -> None:
 def weights_summary(model: nn.Module) -> dict:
     """What the statistics show about the weights: their format ("gguf Q4_1+Q8_0 packed int4" or the
     dense dtype) and the bytes of weights one decode pass reads (matrices, one embedding row, norms)."""
-    packed, kinds, dense_bytes, dense_dtypes = 0, set(), 0, set()
+    packed, kinds, dense_bytes, dense_dtypes, codes = 0, set(), 0, set(), set()
     for module in model.modules():
         if isinstance(module, PackedLinear):
             packed += module.bytes_per_row_pass()
             kinds.update(module.kind.split("+"))  # a stack of kinds (Q5_0+Q8_0) counts each
+            codes.add("int8" if isinstance(module, ByteCodesLinear) else "int4")
         elif isinstance(module, nn.Linear):
             dense_bytes += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
             dense_dtypes.add(str(module.weight.dtype).removeprefix("torch."))
@@ -336,7 +337,7 @@ def weights_summary(model: nn.Module) -> dict:
         dense_dtypes.add(str(embed.dtype).removeprefix("torch."))
     parts = []
     if kinds:
-        parts.append(f"gguf {'+'.join(sorted(kinds))} packed int4")
+        parts.append(f"gguf {'+'.join(sorted(kinds))} packed {'+'.join(sorted(codes))}")
     if dense_dtypes:
         parts.append("+".join(sorted(dense_dtypes)))
     return {"format": ", ".join(parts) + (" dense" if dense_dtypes and kinds else ""),
