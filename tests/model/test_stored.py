@@ -282,9 +282,12 @@ def test_weights_summary_counts_the_stored_bytes(tiny_gguf):
 @pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("retrieval", False), ("triforce", True),
                                               ("triforce", False)])
 def test_greedy_on_stored_weights_is_autoregressive(tiny_gguf, mode, use_drafter):
+    from triforce.model import stored_f32
+
     path, _ = tiny_gguf
     target = load_gguf_model(path, torch.float32, stored=True)
     drafter = load_gguf_model(path, torch.float32, stored=False)
+    assert target.layers[0].mlp.w13.compiled_f32 == stored_f32.available()  # float32's route where it builds
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))

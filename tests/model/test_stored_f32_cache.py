@@ -1,5 +1,6 @@
 """Float32 on stored weights through the compiled one-row product (stored_f32), and the packed model
-kept beside the GGUF (stored_cache). Tiny random GGUFs built in memory, as in test_stored.py."""
+kept beside the GGUF (stored_cache). Tiny random GGUFs built in memory, as in test_stored.py (whose
+float32 greedy tests of every mode run on the compiled product where it builds)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,6 @@ import torch.nn.functional as F
 from triforce.model import gguf_loader, stored_cache, stored_f32
 from triforce.model.gguf_loader import load_gguf_model
 from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, concat_blocks, packed_from_blocks
-from triforce.speculative import GenerationConfig, Models, generate_ids
 from triforce.speculative.caches import FullCache
 
 from .test_stored import Q4K_CFG, Q6K_STAND_INS, random_blocks, write_tiny_gguf
@@ -71,25 +71,6 @@ def test_one_token_float32_passes_equal_the_float64_dequantized_model(tmp_path, 
         a = stored(ids[i:i + 1], a_cache).double()
         b = dense(ids[i:i + 1], b_cache)
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-
-
-@needs_compiled
-@pytest.mark.parametrize("mode", ["speculative", "retrieval", "triforce"])
-def test_greedy_float32_on_the_compiled_product_is_autoregressive(tmp_path, mode):
-    path = tmp_path / "m.gguf"
-    write_tiny_gguf(path, seed=4)
-    target = load_gguf_model(path, torch.float32, stored=True)
-    drafter = load_gguf_model(path, torch.float32, stored=False)
-    assert target.layers[0].mlp.w13.compiled_f32
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
-    ids = torch.randint(0, 48, (90,), generator=torch.Generator().manual_seed(1)).tolist()
-    cfg = GenerationConfig(max_new_tokens=40, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
-                           sink_tokens=4)
-    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
-    result = generate_ids(Models(target, drafter if mode != "retrieval" else None), ids, mode, cfg)
-    assert result.tokens == reference.tokens
 
 
 def test_float32_auto_stays_dense_without_the_compiled_product(monkeypatch):
