@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     print(f"auto resolves to {resolve_weights('auto', args.model, 'cpu', dtype)}")
     for way in WAYS:
-        print(f"{way:12s} first load {timed_load(args.model, dtype, way):.2f} s (parses the GGUF for stored)")
+        print(f"{way:12s} first load {timed_load(args.model, dtype, way):.2f} s (stored: parses the GGUF unless its packed cache is current)")
     times = {way: [] for way in WAYS}
     for _ in range(args.repeats):
         for way in WAYS:
