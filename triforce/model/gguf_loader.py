@@ -11,15 +11,17 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
 from .errors import UserError
-from .gguf_blocks import FORMS, STORED_TYPES, GgufCheckpoint
+from .gguf_blocks import BLOCK, FORMS, STORED_TYPES, Blocks, GgufCheckpoint
+from . import stored_cache, stored_f32
 from .rope import Rotary
-from .stored import PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
+from .stored import ByteCodesLinear, PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
 from .transformer import Transformer
 
 WEIGHTS = ("auto", "stored", "dequantized")
@@ -59,17 +61,29 @@ def _sha256(path: Path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def stored_kernel_pays(dtype: torch.dtype) -> bool:
-    """True when the packed int4 kernel beats a dense matmul for one row in `dtype` on this CPU,
+    """True when the stored weights' product beats a dense matmul for one row in `dtype` on this CPU,
     timed on a matrix larger than the last-level cache (both read from memory, as a decode step
-    does). torch's fast int4 path is bf16 (avx512/avx2); its float32 path is a slow reference."""
+    does): torch's packed int4 kernel for bfloat16/float16, the compiled product (stored_f32) for
+    float32, the route PackedLinear takes in that dtype."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _int4_kernels_available():
         return False
-    rows, cols = 32768, 1024  # 64 MB of float32, 32 MB of bf16, 16 MB of int4 codes
+    if dtype == torch.float32 and not stored_f32.available():
+        return False
+    rows, cols = 32768, 1024  # 128 MB of float32, 64 MB of bf16, 16 MB of int4 codes
     dense = torch.full((rows, cols), 0.01, dtype=dtype)
-    codes = torch.full((rows, cols), 5, dtype=torch.int32)  # values do not change the kernel's speed
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    scales_and_zeros = torch.full((cols // 32, rows, 2), 0.01, dtype=dtype)
     x = torch.ones(1, cols, dtype=dtype)
+    if dtype == torch.float32:
+        codes = torch.full((rows, cols // 2), 0x35, dtype=torch.uint8)  # values do not change the speed
+        scales = torch.full((rows, cols // 32), 0.01)
+
+        def stored():
+            return stored_f32.rows_product(x, codes, scales, scales)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((rows, cols), 5, dtype=torch.int32), 1)
+        scales_and_zeros = torch.full((cols // 32, rows, 2), 0.01, dtype=dtype)
+
+        def stored():
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
 
     def best(fn) -> float:
         fn()
@@ -80,7 +94,7 @@ def stored_kernel_pays(dtype: torch.dtype) -> bool:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    kernel = best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros))
+    kernel = best(stored)
     plain = best(lambda: torch.nn.functional.linear(x, dense))
     return kernel < 0.7 * plain
 
@@ -123,11 +137,17 @@ def stored_share(folder: str | Path) -> float:
     return open_checkpoint(str(folder)).stored_share()
 
 
-@functools.lru_cache(maxsize=2)
 def open_checkpoint(path: str) -> GgufCheckpoint:
     """A parsed GGUF (its metadata takes seconds to read for a large vocabulary), kept for the load
-    that usually follows the question of whether to load it."""
+    that usually follows the question of whether to load it; a file rewritten since is parsed again."""
+    st = Path(path).stat()
+    return _open_checkpoint(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_checkpoint(path: str, size: int, mtime_ns: int) -> GgufCheckpoint:
     return GgufCheckpoint(path)
+
 
 
 def _reverse_permute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -136,20 +156,54 @@ def _reverse_permute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-class _Source:
-    """Matrices of one GGUF by our names, each packed or dense as asked."""
+class _Table:
+    """A GGUF's tensor table (names, types, shapes) and config without the GGUF: what a cached packed
+    model needs to rebuild its modules (stored_cache)."""
 
-    def __init__(self, ckpt: GgufCheckpoint, cfg: ModelConfig, dtype: torch.dtype, stored: bool):
+    def __init__(self, table: dict, cfg: ModelConfig):
+        self.tensors = {name: SimpleNamespace(tensor_type=SimpleNamespace(name=kind), shape=shape)
+                        for name, (kind, shape) in table.items()}
+        self.cfg = cfg
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def kind(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def config(self) -> ModelConfig:
+        return self.cfg
+
+
+def _table_of(ckpt: GgufCheckpoint) -> dict:
+    return {name: (t.tensor_type.name, [int(n) for n in t.shape]) for name, t in ckpt.tensors.items()}
+
+
+class _Source:
+    """Matrices of one GGUF by our names, each packed or dense as asked. With a _Table in place of
+    the GGUF every tensor is on the meta device: the modules' shapes, for a cached state to fill."""
+
+    def __init__(self, ckpt: GgufCheckpoint | _Table, cfg: ModelConfig, dtype: torch.dtype, stored: bool):
         self.ckpt, self.cfg, self.dtype, self.stored = ckpt, cfg, dtype, stored
+        self.skeleton = isinstance(ckpt, _Table)
+
+    def _meta_blocks(self, name: str) -> Blocks:
+        kind, (cols, rows) = self.ckpt.kind(name), self.ckpt.tensors[name].shape
+        code_dtype = torch.uint8 if FORMS[kind] == "affine" else torch.int8
+        scale = torch.empty(rows, cols // BLOCK, device="meta")
+        return Blocks(kind, torch.empty(rows, cols, dtype=code_dtype, device="meta"), scale,
+                      scale if FORMS[kind] == "affine" else None)
 
     def blocks(self, name: str):
-        blocks = self.ckpt.blocks(name)
+        blocks = self._meta_blocks(name) if self.skeleton else self.ckpt.blocks(name)
         if self.cfg.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
             blocks = blocks.rows(_reverse_permute_rows(blocks.shape[0], heads))
         return blocks
 
     def dense(self, name: str) -> torch.Tensor:
+        if self.skeleton:
+            return torch.empty(list(reversed(self.ckpt.tensors[name].shape)), device="meta")
         if self.ckpt.kind(name) in STORED_TYPES:
             return self.blocks(name).dequantize(torch.float32)
         w = self.ckpt.dense(name)
@@ -202,29 +256,52 @@ class _Source:
         return layer
 
     def vector(self, name: str) -> torch.Tensor:
+        if self.skeleton:
+            return self.dense(name).to(self.dtype)
         return self.ckpt.dense(name).to(self.dtype)
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, stored: bool = True,
                     cfg: ModelConfig | None = None, max_len: int | None = None, progress=None) -> Transformer:
     """The model of a GGUF file on the CPU; `cfg` (e.g. the prepared folder's, or a RoPE scaling)
-    overrides the GGUF's metadata."""
+    overrides the GGUF's metadata. Stored loads keep their packed state beside the GGUF
+    (stored_cache) and map it the next time."""
+    path = Path(path)
+    cache = stored_cache.cache_path(path, dtype) if stored and stored_cache.enabled() else None
+    key = stored_cache.cache_key(_sha256(path), dtype) if cache is not None else None
+    cached = stored_cache.read(cache, key) if cache is not None else None
+    if cached is not None:
+        state, table, cached_cfg = cached
+        model = _build(_Source(_Table(table, cached_cfg), cfg or cached_cfg, dtype, stored), max_len, progress)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:  # the modules changed shape or buffers since (a code change): rebuild
+            stored_cache.note(f"rebuilding {cache.name}: its tensors do not fit ({str(e).splitlines()[0][:80]})")
+        else:
+            model.weights_origin = str(path)
+            return model.eval().requires_grad_(False)
     ckpt = open_checkpoint(str(path))
-    cfg = cfg or ckpt.config()
-    src = _Source(ckpt, cfg, dtype, stored)
+    model = _build(_Source(ckpt, cfg or ckpt.config(), dtype, stored), max_len, progress)
+    if cache is not None:
+        stored_cache.write(cache, key, model.state_dict(), _table_of(ckpt), ckpt.config())
+    model.weights_origin = str(path)
+    return model.eval().requires_grad_(False)
+
+
+def _build(src: _Source, max_len: int | None, progress) -> Transformer:
+    cfg = src.cfg
     with torch.device("meta"):
         model = Transformer(cfg, max_len=max_len)
-    model.embed.weight = nn.Parameter(src.dense("token_embd.weight").to(dtype), requires_grad=False)
+    model.embed.weight = nn.Parameter(src.dense("token_embd.weight").to(src.dtype), requires_grad=False)
     model.norm.weight = nn.Parameter(src.vector("output_norm.weight"), requires_grad=False)
     for i, block in enumerate(model.layers):
         _load_block(src, block, f"blk.{i}.")
         if progress is not None:
             progress(i + 1, cfg.num_layers)
     # tied: the head reads the embedding's blocks (packed), while lookups read the dense rows
-    model.lm_head = src.linear(["output.weight" if ckpt.has("output.weight") else "token_embd.weight"], None)
+    model.lm_head = src.linear(["output.weight" if src.ckpt.has("output.weight") else "token_embd.weight"], None)
     model.rotary = Rotary(cfg, max_len)
-    model.weights_origin = str(path)
-    return model.eval().requires_grad_(False)
+    return model
 
 
 def _load_block(src: _Source, block: nn.Module, hf: str) -> None:
@@ -242,11 +319,12 @@ def _load_block(src: _Source, block: nn.Module, hf: str) -> None:
 def weights_summary(model: nn.Module) -> dict:
     """What the statistics show about the weights: their format ("gguf Q4_1+Q8_0 packed int4" or the
     dense dtype) and the bytes of weights one decode pass reads (matrices, one embedding row, norms)."""
-    packed, kinds, dense_bytes, dense_dtypes = 0, set(), 0, set()
+    packed, kinds, dense_bytes, dense_dtypes, codes = 0, set(), 0, set(), set()
     for module in model.modules():
         if isinstance(module, PackedLinear):
             packed += module.bytes_per_row_pass()
             kinds.update(module.kind.split("+"))  # a stack of kinds (Q5_0+Q8_0) counts each
+            codes.add("int8" if isinstance(module, ByteCodesLinear) else "int4")
         elif isinstance(module, nn.Linear):
             dense_bytes += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
             dense_dtypes.add(str(module.weight.dtype).removeprefix("torch."))
@@ -259,7 +337,7 @@ def weights_summary(model: nn.Module) -> dict:
         dense_dtypes.add(str(embed.dtype).removeprefix("torch."))
     parts = []
     if kinds:
-        parts.append(f"gguf {'+'.join(sorted(kinds))} packed int4")
+        parts.append(f"gguf {'+'.join(sorted(kinds))} packed {'+'.join(sorted(codes))}")
     if dense_dtypes:
         parts.append("+".join(sorted(dense_dtypes)))
     return {"format": ", ".join(parts) + (" dense" if dense_dtypes and kinds else ""),

@@ -22,7 +22,10 @@ With float32 scales (f16 d and m widen exactly) this is the GGUF's model to floa
 with bfloat16 activations the kernel also takes bfloat16 scales, the same rounding a bf16 folder
 applies to each weight. torch's fast path is the bf16 one (on avx512_bf16, 1 thread: 0.77 ms for
 SmolLM2's 49152x576 head against 2.6 ms dense bf16; the float32 path is a slow reference, 42 ms
-against 9 ms dense float32), so `resolve_weights` measures before choosing it.
+against 9 ms dense float32), so `resolve_weights` measures before choosing it. Float32 layers
+therefore compute through stored_f32's compiled product over the same codes and float32 scales where
+it builds (2.4 ms for that head with torch's avx2 code, against 5.4 ms dense float32), the int4
+reference path only where it does not.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import stored_f32
 from .gguf_blocks import BLOCK, FORMS, Blocks
 
 # Above this many rows (prefill, window refills) the weights are dequantized for one dense GEMM:
@@ -63,6 +67,11 @@ class PackedLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())  # (N, K' / 32), exact f16 values
         self.register_buffer("zeros", zeros.float().contiguous())
         self.kernel_dtype = dtype if dtype in KERNEL_DTYPES and _int4_kernels_available() else None
+        # float32: the compiled one-row product (stored_f32), where it builds; torch's float32 int4
+        # path is a slow reference
+        self.compiled_f32 = dtype == torch.float32 and stored_f32.available()
+        if self.compiled_f32:
+            self.kernel_dtype = None
         if self.kernel_dtype is not None:
             # the kernel packs rows 16 at a time: pad with zero weights (scale 0, zero 0), cut after
             pad = -self.out_features % KERNEL_ROW_MULTIPLE
@@ -75,6 +84,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.compiled_f32 and x.dtype == torch.float32 and rows.shape[0] <= PACKED_KERNEL_MAX_ROWS and x.device.type == "cpu":
+            out = stored_f32.rows_product(torch.cat([rows] * self.repeat, dim=-1), self.codes, self.scales, self.zeros)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*x.shape[:-1], self.out_features)
         if rows.shape[0] > PACKED_KERNEL_MAX_ROWS or x.dtype != self.kernel_dtype or not x.device.type == "cpu":
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         if self.repeat > 1:
@@ -88,6 +102,8 @@ class PackedLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W (N, K) in `dtype`: (code - 8) * scale + zero per group in float32 (float64 for float64),
         the hi/lo halves of Q8_0 summed (exact: both are small integers times d)."""
+        if self.compiled_f32 and dtype == torch.float32:
+            return stored_f32.dense_weights(self.codes, self.scales, self.zeros, self.repeat)
         exact = torch.float64 if dtype == torch.float64 else torch.float32
         codes = torch.stack([self.codes & 15, self.codes >> 4], dim=-1).view(self.out_features, -1, BLOCK)
         w = (codes.to(exact) - 8) * self.scales.to(exact)[..., None] + self.zeros.to(exact)[..., None]
@@ -101,7 +117,8 @@ class PackedLinear(nn.Module):
         return self.codes.numel() + 2 * self.scales.numel() * elem + bias
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={self.kernel_dtype}"
+        kernel = "compiled float32" if self.compiled_f32 else self.kernel_dtype
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={kernel}"
 
 
 def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | None = None) -> PackedLinear:
@@ -109,6 +126,8 @@ def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | 
     forms = {FORMS.get(kind) for kind in blocks.kind.split("+")}
     if forms == {"affine"}:  # Q4_K arrives decoded into Q4_1's per-32 form
         layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind)
+    elif forms == {"signed"} and dtype == torch.float32 and stored_f32.available() and stored_f32.bytes_pay():
+        layer = ByteCodesLinear(blocks.q, blocks.d, bias, blocks.kind)
     elif forms == {"signed"}:  # Q5_0 arrives decoded into Q8_0's form
         q = blocks.q.to(torch.int16)
         hi, lo = (q >> 4) + 8, q & 15  # arithmetic shift: q = 16 * (hi - 8) + lo
@@ -120,6 +139,41 @@ def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | 
         raise ValueError(f"no packed form for {blocks.kind}")
     layer.stored_bytes = blocks.stored_bytes
     return layer
+
+
+class ByteCodesLinear(PackedLinear):
+    """Float32 through the compiled product: Q8_0 and Q5_0 as bytes q + 128 with d per 32, not the
+    kernel's two int4 halves (the same 8 bits a weight; half the work: SmolLM2's Q8_0 head 2.1 ms
+    against 5.1 as halves and 5.6 dense float32, avx2)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kind: str):
+        nn.Module.__init__(self)
+        self.kind, self.repeat, self.kernel_dtype, self.compiled_f32 = kind, 1, None, True
+        self.out_features, self.in_features = q.shape
+        self.packed_k, self.stored_bytes = self.in_features, 0
+        self.register_buffer("offset_codes", (q.to(torch.int16) + 128).to(torch.uint8))
+        self.register_buffer("scales", d.float().contiguous())  # (N, K / 32): exact f16 values
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > PACKED_KERNEL_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        out = stored_f32.byte_rows_product(rows, self.offset_codes, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.float32:
+            return stored_f32.byte_dense_weights(self.offset_codes, self.scales)
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        w = (self.offset_codes.to(exact) - 128).view(self.out_features, -1, BLOCK) * self.scales.to(exact)[..., None]
+        return w.view(self.out_features, self.in_features).to(dtype)
+
+    def bytes_per_row_pass(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.offset_codes.numel() + self.scales.numel() * 4 + bias
 
 
 def concat_blocks(parts: list[Blocks]) -> Blocks:
