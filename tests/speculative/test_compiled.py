@@ -35,3 +35,20 @@ def test_compiled_levels_decode_the_eager_tokens(tiny, device_rounds):
         proposer = compiled.proposers["triforce"][0]
         assert {T for name, T in proposer.views} <= {1, 2, 3, cfg.gamma1 + 1}
         assert compiled.drafter.model.replays > 24 and compiled.middle.model.replays >= 12
+
+
+def test_compiled_passes_over_a_16_bit_cache_under_float32(tmp_path):
+    """--compile with float32 compute and a float16 KV cache (model/kv_dtype.py) failed in attention
+    (the static view wrote float32 keys into the 16-bit buffers and attended in mixed dtypes)."""
+    save_tiny(tmp_path, seed=1, vocab=64, layers=2, hidden=32, heads=4, kv_heads=2, inter=48)
+    target = load_model(tmp_path, torch.float32)
+    target.kv_dtype = torch.float16
+    ids = [3 + (i * 7) % 60 for i in range(300)]
+    cfg = GenerationConfig(max_new_tokens=16, budget=64, chunk_size=8, gamma1=2, gamma2=3)
+    eager = Generator(Models(target, None), cfg, "triforce", max_len=400)
+    eager.prefill(ids)
+    compiled = Generator(Models(target, None), cfg, "triforce", max_len=400)
+    enable_compiled_passes(compiled)
+    compiled.prefill(ids)
+    assert compiled.full.cache.k.dtype == torch.float16
+    assert compiled.generate() == eager.generate()
