@@ -96,3 +96,26 @@ def test_self_drafter_keeps_the_checkpoint_rope_when_the_run_scales_it(tmp_path)
     assert twin.embed.weight is target.embed.weight and twin.layers is target.layers
     gen.prefill(ids)
     assert gen.generate() == reference
+
+
+@pytest.mark.parametrize("device_rounds", [False, True], ids=["host-rounds", "device-rounds"])
+def test_a_conversation_stays_lossless(pair, device_rounds):
+    """Chat's engine calls: answer, cut the answer back (a stop token), add a turn, answer again; the
+    drafter and retrieval levels resync after truncate/extend, and triforce's tokens stay those of
+    autoregressive decoding doing the same."""
+    from triforce.speculative import Generator
+
+    target, drafter = pair
+    ids = prompt(200, 12)
+    cfg = GenerationConfig(max_new_tokens=30, budget=64, chunk_size=8, gamma1=3, gamma2=5, draft_window=32,
+                           sink_tokens=4, device_rounds=device_rounds)
+
+    def converse(models, mode):
+        gen = Generator(models, cfg, mode, max_len=400)
+        gen.prefill(ids)
+        first = gen.generate(30)
+        gen.truncate(len(gen.context) - 12)
+        gen.extend(prompt(20, 13))
+        return first, gen.generate(30)
+
+    assert converse(Models(target, drafter), "triforce") == converse(Models(target, None), "autoregressive")
