@@ -13,12 +13,14 @@ from triforce.runtime.report import level_ms_per_pass, link_floor, pinned_h2d_ba
 from triforce.speculative.engine import synchronize
 
 OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems, measured by default
-VARIANTS = ("triforce-device", "triforce-host")  # ours too, on request (--systems): triforce's two kinds of rounds
+# ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding with --compile
+VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 "triforce-device": ("triforce", {"device_rounds": True}, ["--no-adaptive", "--device-rounds"]),
-                "triforce-host": ("triforce", {"device_rounds": False}, ["--no-adaptive", "--no-device-rounds"])}
+                "triforce-host": ("triforce", {"device_rounds": False}, ["--no-adaptive", "--no-device-rounds"]),
+                "autoregressive-compiled": ("autoregressive", {"compile": True}, ["--no-adaptive", "--compile"])}
 
 
 def engine_mode(system: str) -> str:
@@ -52,7 +54,12 @@ def ties_only(disagreements: dict) -> bool:
 def build_system(session, mode, cfg, prefilled, max_len, models=None):
     """One of our engines decoding from a shared prefill, built as generate.py builds it
     (Session.generator: the offload factory and --cuda-graphs alike)."""
-    return session.generator(cfg, max_len, prefilled=prefilled, mode=engine_mode(mode), models=models)
+    gen = session.generator(cfg, max_len, prefilled=prefilled, mode=engine_mode(mode), models=models)
+    if system_settings(mode).get("compile") and not session.run.compile:  # a compiled system beside eager ones
+        from triforce.speculative.graphs import enable_compiled_passes
+
+        enable_compiled_passes(gen)
+    return gen
 
 
 def timed_run(gen, prefilled):

@@ -110,6 +110,30 @@ def test_bench_builds_every_mode_as_generate_does(tiny, offload, graphs):
         assert all(lv[1] == "GraphedModel" for lv in _levels(ours["triforce"])[:3])
 
 
+@pytest.mark.parametrize("system", measure.VARIANTS)
+def test_a_variant_is_what_generate_runs_with_its_flags(tiny, system):
+    """--systems triforce-device, triforce-host, autoregressive-compiled: the config and levels
+    generate.py builds with the flags the variant stands for."""
+    from triforce.cli import generate
+
+    target, book = tiny
+    text = book.read_text()
+    plan = bench.parse_args(_flags(target, "--prompt-file", str(book), "--contexts", str(CONTEXT), "--new-tokens", str(NEW)))
+    session = open_session(plan.run, text)
+    prompt = session.prompt_ids[-CONTEXT:]
+    cfgs = bench.system_configs(session.run, [system], len(prompt))
+    prefilled = measure.shared_prefill(session, cfgs, prompt, len(prompt) + NEW)
+    ours = bench.system_generators(session, cfgs, prefilled, len(prompt) + NEW)[system]
+    opts = generate.parse_args(_flags(target, "--prompt-file", str(book), "--context", str(CONTEXT),
+                                      "--max-new-tokens", str(NEW), *measure.system_flags(system)))
+    theirs = Session(opts.run, text)
+    cfg = theirs.plan_generation()
+    theirs.load()
+    gen = theirs.generator(cfg, max_len=len(theirs.prompt_ids) + NEW)
+    assert cfgs[system] == cfg and _levels(ours) == _levels(gen)
+    assert ours.device_rounds == gen.device_rounds == (system == "triforce-device")
+
+
 def test_bench_times_the_generators_session_builds(tiny, tmp_path, monkeypatch):
     """End to end: every one of our rows decodes with a generator from Session.generator, in its own
     mode and with that mode's config; one generator per system serves the warm-up and the repetitions."""
