@@ -52,3 +52,25 @@ def test_compiled_passes_over_a_16_bit_cache_under_float32(tmp_path):
     compiled.prefill(ids)
     assert compiled.full.cache.k.dtype == torch.float16
     assert compiled.generate() == eager.generate()
+
+
+def test_a_compiled_pass_writes_its_slots_in_place(tmp_path):
+    """A compiled pass writes its tokens' K/V into the cache in place. Written through a view of the
+    one (layers, heads, slots, dim) buffer, inductor copied a layer's whole cache at every layer: on
+    SmolLM2 at 4K a pass took 1 s instead of 17 ms. No generated loop may span a layer's buffer
+    (the attention reads it through a library call)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from triforce.speculative.caches import FullCache
+    from triforce.speculative.graphs import GraphedModel
+
+    save_tiny(tmp_path, seed=1, vocab=64, layers=3, hidden=32, heads=2, kv_heads=1, inter=48)
+    model = load_model(tmp_path, torch.float32)
+    cache = FullCache(model.kv_shape(), 1000, prefill_chunk=64)
+    model(torch.arange(60) + 3, cache)
+    compiled = GraphedModel(model, eager_static=True, compiled=True)
+    torch._dynamo.reset()
+    _, code = run_and_get_code(lambda: compiled(torch.tensor([5]), cache))
+    layer = cache.k[0].numel()
+    assert code and not any(f"<static_cast<int64_t>({layer}L)" in c for c in code)
+    assert cache.length == 61

@@ -65,6 +65,23 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 
+def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of T queries (T, Hq, D) against every slot of a cache layer (Hkv, S, D) under an
+    additive mask (T, S) of 0 and -inf: the static-shape form (speculative/graphs.py's views), on CPU.
+    The query heads sharing a KV head are rows of one product, as in `_attend_grouped`: torch's CPU
+    SDPA with a mask took 3.3 ms for one bf16 query against 4,200 keys (9 heads), this 0.17 ms."""
+    T, Hq, D = q.shape
+    Hkv = keys.shape[0]
+    rep = Hq // Hkv
+    grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
+    scores = torch.bmm(grouped, keys.transpose(1, 2)).view(Hkv, rep, T, -1)
+    # the mask broadcasts over the heads: nothing per layer builds or copies it (compiled, the add
+    # rides in the softmax kernel)
+    probs = torch.softmax(scores * D ** -0.5 + mask, dim=-1)
+    out = torch.bmm(probs.view(Hkv, rep * T, -1), values)
+    return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
 _FUTURE_MASKS: dict[tuple, torch.Tensor] = {}
 
 

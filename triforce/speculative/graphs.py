@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from triforce.model.attention import attend_masked
+
 from .caches import FullCache
 
 MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) run eagerly
@@ -45,6 +47,8 @@ class StaticView:
         self.slots = torch.zeros(T, dtype=torch.long, device=device)
         self.offsets = torch.arange(T, device=device)
         self.key_slots = torch.arange(cache.capacity, device=device)
+        # each layer's K/V as its own tensor (views of the cache's buffers, made once, outside any graph)
+        self.layer_k, self.layer_v = list(cache.k.unbind(0)), list(cache.v.unbind(0))
         # additive (0 or -inf) in the attention's dtype, so no layer converts it either
         self.mask = torch.zeros(T, cache.capacity, dtype=cache.k.dtype, device=device)
 
@@ -64,10 +68,12 @@ class StaticView:
             if self.queries[layer] is None:  # allocated by the eager warm-up, before any capture
                 self.queries[layer] = torch.empty_like(q)
             self.queries[layer].copy_(q)
-        keys, values = self.cache.k[layer], self.cache.v[layer]  # (Hkv, capacity, D)
+        keys, values = self.layer_k[layer], self.layer_v[layer]  # (Hkv, capacity, D)
         keys.index_copy_(1, self.slots, k.transpose(0, 1).to(keys.dtype))  # a 16-bit cache under float32 compute
         values.index_copy_(1, self.slots, v.transpose(0, 1).to(values.dtype))
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if not q.is_cuda:  # torch's CPU SDPA with a mask is 20x the grouped products at one query
+            return attend_masked(q, keys, values, self.mask.to(q.dtype))
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                              attn_mask=self.mask.to(q.dtype), enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
