@@ -44,6 +44,7 @@ class Setup:
     dtype: torch.dtype
     weights: str  # "stored" | "dequantized"
     kv: torch.dtype | None  # None: the compute dtype
+    compiled: bool = False  # --compile: each level's small passes as torch.compile'd graphs
 
 
 SETUPS = {
@@ -52,6 +53,7 @@ SETUPS = {
     "bf16": Setup("bf16", torch.bfloat16, "dequantized", None),  # today's default with avx512_bf16
     "bf16-stored": Setup("bf16-stored", torch.bfloat16, "stored", None),
     "f32-stored": Setup("f32-stored", torch.float32, "stored", None),  # exact; compiled product (stored_f32)
+    "bf16-stored-compiled": Setup("bf16-stored-compiled", torch.bfloat16, "stored", None, compiled=True),
 }
 DEFAULT_SETUPS = ("f32", "f32-kv16", "bf16", "bf16-stored")
 
@@ -132,6 +134,11 @@ def run_context(args, context: int, bandwidth: float) -> list[dict]:
         prefilled = seed.snapshot()
         say(f"[{context}] {name}: prefill {time.perf_counter() - start:.0f} s")
         gens = {mode: Generator(models, cfgs[mode], mode, max_len, prefilled=prefilled) for mode in args.modes}
+        if setup.compiled:  # compiled in the untimed warm-up round
+            from triforce.speculative.graphs import enable_compiled_passes
+
+            for gen in gens.values():
+                enable_compiled_passes(gen)
         state[name] = (target, summary, prefilled, gens)
     times = {(s, m): [] for s in args.setups for m in args.modes}
     outputs, last = {}, {}
