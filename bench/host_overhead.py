@@ -27,6 +27,7 @@ from bench.kernels import OpCounter
 from triforce.model.loader import load_model
 from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.engine import MODES
+from triforce.speculative.graphs import enable_compiled_passes
 from triforce.speculative.hostsync import HostSyncCounter
 
 PROGRESS_AFTER_SECONDS = 10.0
@@ -47,6 +48,8 @@ def parse_args(argv):
                     help="the two depths whose difference gives kernels per layer (bench/kernels.py)")
     ap.add_argument("--no-compile", action="store_true",
                     help="kernels per layer eager only: skips torch.compile (about 2 minutes cold)")
+    ap.add_argument("--compiled-rounds", action="store_true",
+                    help="also triforce's device rounds compiled per pass and per whole round (minutes of compiling)")
     ap.add_argument("--out", default="results/host-overhead-cpu.json")
     return ap.parse_args(argv)
 
@@ -64,16 +67,37 @@ def tiny_checkpoint(args, folder: Path):
     return model
 
 
+COMPILED = {"triforce-device-compiled": "per pass", "triforce-device-compiled-rounds": "per round"}
+
+
 def measure_mode(models, args, mode: str, temperature: float, prompt: list[int]) -> dict:
-    """Three generations from the same prompt: timed, counting host waits, counting aten ops.
-    "triforce-device" is triforce with its drafter->middle rounds on the device (the GPU default)."""
+    """Three generations from the same prompt (after an untimed one): timed, counting host waits,
+    counting aten ops. "triforce-device" is triforce with its drafter->middle rounds on the device
+    (the GPU default); "-compiled" runs every small pass as a torch.compile'd graph (--compile), and
+    "-compiled-rounds" each drafter->middle round as one (rounds.RoundGraph), where the host makes
+    one call per round; a compiled graph's kernels do not pass through the op counter."""
+    engine = mode.split("-")[0]
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, budget=args.budget, chunk_size=args.chunk,
                            gamma1=args.gamma1, gamma2=args.gamma2, draft_window=args.budget, sink_tokens=4,
-                           temperature=temperature, device_rounds=mode.endswith("-device"))
+                           temperature=temperature, device_rounds="-device" in mode)
+
+    kept = []
 
     def fresh():
-        gen = Generator(models, cfg, mode.removesuffix("-device"), len(prompt) + 2 * args.new_tokens)
+        if kept:  # a compiled generator goes back to just after its prefill: its graphs stay compiled
+            kept[0].truncate(len(prompt) + 1)
+            kept[0].reset_stats()
+            return kept[0]
+        gen = Generator(models, cfg, engine, len(prompt) + 2 * args.new_tokens)
+        if mode in COMPILED:
+            enable_compiled_passes(gen)
+            if COMPILED[mode] == "per pass":
+                gen.proposers[engine][0].graph = None
         gen.prefill(prompt)
+        if mode in COMPILED:
+            gen.generate()  # compiles, untimed
+            kept.append(gen)
+            return fresh()
         return gen
 
     gen = fresh()
@@ -88,12 +112,14 @@ def measure_mode(models, args, mode: str, temperature: float, prompt: list[int])
             gen.step()
             rounds += 1
 
-    gen = fresh()
-    with OpCounter() as ops:
-        counted = len(gen.generate()) - 1
+    ops_per_token = None  # a dispatch mode turns torch.compile off: compiled runs are not counted
+    if mode not in COMPILED:
+        gen = fresh()
+        with OpCounter() as ops:
+            ops_per_token = ops.ops / (len(gen.generate()) - 1)
     return {"mode": mode, "sampled": temperature > 0, "tokens": tokens, "rounds": rounds,
             "waits_per_round": waits.total / rounds, "waits_by_site": dict(waits.by_site),
-            "ops_per_token": ops.ops / counted, "passes_per_token": passes / tokens,
+            "ops_per_token": ops_per_token, "passes_per_token": passes / tokens,
             "host_ms_per_pass": 1e3 * seconds / passes, "host_ms_per_token": 1e3 * seconds / tokens}
 
 
@@ -126,13 +152,14 @@ def measure_static_cache(hf_model, prompt: list[int], steps: int) -> dict | None
 
 def table(rows: list[dict]) -> str:
     """Readable in 80 columns."""
-    head = f"{'mode':<15} {'sampling':<8} {'waits/round':>11} {'ops/token':>10} {'passes/tok':>10} " \
+    head = f"{'mode':<31} {'sampling':<8} {'waits/round':>11} {'ops/token':>10} {'passes/tok':>10} " \
            f"{'ms/pass':>8} {'ms/token':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         waits = "-" if r["waits_per_round"] is None else f"{r['waits_per_round']:.2f}"
-        lines.append(f"{r['mode']:<15} {'sampled' if r['sampled'] else 'greedy':<8} {waits:>11} "
-                     f"{r['ops_per_token']:>10,.0f} {r['passes_per_token']:>10.2f} "
+        ops = "-" if r["ops_per_token"] is None else f"{r['ops_per_token']:,.0f}"
+        lines.append(f"{r['mode']:<31} {'sampled' if r['sampled'] else 'greedy':<8} {waits:>11} "
+                     f"{ops:>10} {r['passes_per_token']:>10.2f} "
                      f"{r['host_ms_per_pass']:>8.2f} {r['host_ms_per_token']:>9.2f}")
     return "\n".join(lines)
 
@@ -153,7 +180,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, args.vocab, (args.context,), generator=torch.Generator().manual_seed(1)).tolist()
     rows = []
     for temperature in (0.0, 0.8):
-        for mode in (*MODES, "triforce-device"):
+        for mode in (*MODES, "triforce-device", *(COMPILED if args.compiled_rounds else ())):
             progress(f"{mode} {'sampled' if temperature else 'greedy'}")
             rows.append(measure_mode(models, args, mode, temperature, prompt))
     progress("transformers StaticCache")

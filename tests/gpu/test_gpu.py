@@ -79,9 +79,25 @@ def test_cuda_graphs_give_the_same_tokens(models):
     static, static_gen, _ = run(pair, "triforce", graphs="static")
     graphed, graph_gen, wrapped = run(pair, "triforce", graphs="cuda")
     assert graphed == static == eager
-    assert all(w.replays > 0 and any(c.graph is not None for c in w.captured.values()) for w in wrapped)
+    full = graph_gen.full.model
+    assert full.replays > 0 and any(c.graph is not None for c in full.captured.values())
+    # device rounds (the CUDA default): each drafter->middle round replays one captured graph
+    rounds = graph_gen.proposers["triforce"][0].graph
+    assert rounds.graph is not None and rounds.runs > 5 and rounds.builds == 1
     # a replay runs exactly the kernels of the static view: acceptance is identical, not just close
     assert dict(graph_gen.stats.accepted) == dict(static_gen.stats.accepted)
+
+
+@cuda
+def test_a_captured_round_samples_what_the_eager_round_samples(models):
+    """Sampled, device rounds: the captured whole-round graph takes the round's uniforms from the same
+    draws as the same round run eagerly, so the tokens match."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, temperature=0.8, top_p=0.9, seed=3)
+    static, _, _ = run(Models(*models), "triforce", graphs="static", cfg=cfg)
+    graphed, gen, _ = run(Models(*models), "triforce", graphs="cuda", cfg=cfg)
+    assert graphed == static and gen.proposers["triforce"][0].graph.graph is not None
 
 
 @cuda

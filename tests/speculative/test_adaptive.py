@@ -100,6 +100,30 @@ def test_choice_follows_the_costs():
     assert predicted["triforce"]["ms_per_token"] < predicted["retrieval"]["ms_per_token"] < predicted["autoregressive"]["ms_per_token"]
 
 
+def test_rounds_timed_whole_price_triforce():
+    """Where each drafter->middle round runs as one graph (rounds.RoundGraph) its passes are not timed
+    one by one: the round's own time prices triforce, and is all triforce needs besides the full pass."""
+    from triforce.speculative.stats import ROUND
+
+    acc = {"draft->middle": 0.75, "draft->verify": 0.25, "middle->verify": 0.75}
+    chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
+    teach(chooser, verify=lambda n: 1.0, accept=acc)
+    from_passes = chooser.predict(Plan("triforce", 6))
+    assert from_passes == pytest.approx(seconds_per_token("triforce", 6, 2, chooser.costs.estimate, chooser.acceptance.rate))
+    chooser.passed(ROUND, 2, 0.5)  # one round as a graph: dearer than its passes' sum (0.01 x 2 + 0.02)
+    whole = chooser.predict(Plan("triforce", 6))
+    per_middle = 0.5 / (1 + chooser.acceptance.rate("draft->middle") + chooser.acceptance.rate("draft->middle") ** 2)
+    e = 1 + sum(chooser.acceptance.rate("middle->verify") ** k for k in range(1, 7))
+    assert whole == pytest.approx((6 * per_middle + 1.0) / e) and whole > from_passes
+
+    alone = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)  # only whole rounds and the full pass timed
+    alone.passed("verify", 7, 1.0)
+    alone.passed(ROUND, 2, 0.05)
+    for edge in ("draft->middle", "middle->verify"):
+        alone.acceptance.record(edge, 2, 1)
+    assert alone.known("triforce") and not alone.known("speculative")
+
+
 def test_a_mode_that_cannot_win_is_not_tried_first():
     """After triforce and plain decoding: speculative's best case (every draft accepted) still loses to
     plain decoding's measured cost, so it waits for a probe; retrieval's might win, so it is tried."""

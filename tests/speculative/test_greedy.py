@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from triforce.speculative import GenerationConfig, Models, generate_ids
+from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
+from triforce.speculative.graphs import enable_cuda_graphs
 from triforce.model.loader import load_model
 
 from ..conftest import save_tiny, save_tokenizer
@@ -26,19 +27,34 @@ def prompt(n, seed):
     return torch.randint(0, 48, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+WHOLE = "whole"  # device rounds, each drafter->middle round one graph (rounds.RoundGraph), run eagerly
+
+
+def generator(models, cfg, mode, max_len, device_rounds):
+    """A Generator with the test's device rounds: False (host rounds), True, or WHOLE."""
+    cfg = GenerationConfig(**{**cfg.__dict__, "device_rounds": bool(device_rounds)})
+    gen = Generator(models, cfg, mode, max_len=max_len)
+    if device_rounds == WHOLE:
+        enable_cuda_graphs(gen, eager_static=True)  # on CPU: the graphs' static views, run eagerly
+        assert gen.proposers["triforce"][0].graph is not None
+    return gen
+
+
 @pytest.mark.parametrize("seed,prompt_len,budget,chunk", [(0, 96, 32, 8), (1, 101, 48, 8), (2, 77, 24, 4), (3, 130, 64, 16)])
 @pytest.mark.parametrize("mode,use_drafter,device_rounds", [
     ("speculative", True, False), ("speculative", False, False), ("retrieval", False, False),
-    ("triforce", True, False), ("triforce", False, False), ("triforce", True, True), ("triforce", False, True)])
+    ("triforce", True, False), ("triforce", False, False), ("triforce", True, True), ("triforce", False, True),
+    ("triforce", True, WHOLE), ("triforce", False, WHOLE)])
 def test_greedy_identical(pair, seed, prompt_len, budget, chunk, mode, use_drafter, device_rounds):
     target, drafter = pair
     ids = prompt(prompt_len, seed)
     cfg = GenerationConfig(max_new_tokens=90, budget=budget, chunk_size=chunk, gamma1=3, gamma2=5,
-                           draft_window=16, sink_tokens=4, device_rounds=device_rounds)
+                           draft_window=16, sink_tokens=4)
     reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
-    result = generate_ids(Models(target, drafter if use_drafter else None), ids, mode, cfg)
-    assert result.tokens == reference.tokens
-    stats = result.stats
+    gen = generator(Models(target, drafter if use_drafter else None), cfg, mode, len(ids) + 90, device_rounds)
+    gen.prefill(ids)
+    assert gen.generate() == reference.tokens
+    stats = gen.stats
     assert stats.decode_tokens == 89 and stats.full_passes < 89
     if mode != "speculative":
         # generation outgrew the replaceable part of the budget: the cache was rebuilt
@@ -56,21 +72,24 @@ def test_rebuild_on_low_acceptance(pair):
     assert eager.stats.rebuilds > lazy.stats.rebuilds
 
 
-@pytest.mark.parametrize("device_rounds", [False, True], ids=["host-rounds", "device-rounds"])
+ROUNDS = pytest.mark.parametrize("device_rounds", [False, True, WHOLE], ids=["host-rounds", "device-rounds", "whole-rounds"])
+
+
+@ROUNDS
 def test_long_generation_stays_lossless(pair, device_rounds):
     """2,000 new tokens: the retrieval cache is absorbed into, runs out of room and is rebuilt many
     times, and the StreamingLLM window wraps many times; tokens stay autoregressive-identical."""
     target, drafter = pair
     ids = prompt(300, 9)
     cfg = GenerationConfig(max_new_tokens=2000, budget=64, chunk_size=8, gamma1=3, gamma2=5,
-                           draft_window=32, sink_tokens=4, device_rounds=device_rounds)
+                           draft_window=32, sink_tokens=4)
     reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
-    from triforce.speculative import Generator
-
-    gen = Generator(Models(target, drafter), cfg, "triforce", max_len=2300)
+    gen = generator(Models(target, drafter), cfg, "triforce", 2300, device_rounds)
     gen.prefill(ids)
     assert gen.generate() == reference.tokens
     assert gen.stats.rebuilds > 20 and gen.drafter.cache.evictions > 20
+    if device_rounds == WHOLE:  # through evictions, rounds kept running as graphs
+        assert gen.proposers["triforce"][0].graph.runs > 200
 
 
 def test_self_drafter_keeps_the_checkpoint_rope_when_the_run_scales_it(tmp_path):
@@ -98,20 +117,19 @@ def test_self_drafter_keeps_the_checkpoint_rope_when_the_run_scales_it(tmp_path)
     assert gen.generate() == reference
 
 
-@pytest.mark.parametrize("device_rounds", [False, True], ids=["host-rounds", "device-rounds"])
+@ROUNDS
 def test_a_conversation_stays_lossless(pair, device_rounds):
     """Chat's engine calls: answer, cut the answer back (a stop token), add a turn, answer again; the
     drafter and retrieval levels resync after truncate/extend, and triforce's tokens stay those of
     autoregressive decoding doing the same."""
-    from triforce.speculative import Generator
 
     target, drafter = pair
     ids = prompt(200, 12)
     cfg = GenerationConfig(max_new_tokens=30, budget=64, chunk_size=8, gamma1=3, gamma2=5, draft_window=32,
-                           sink_tokens=4, device_rounds=device_rounds)
+                           sink_tokens=4)
 
     def converse(models, mode):
-        gen = Generator(models, cfg, mode, max_len=400)
+        gen = generator(models, cfg, mode, 400, device_rounds if mode == "triforce" else False)
         gen.prefill(ids)
         first = gen.generate(30)
         gen.truncate(len(gen.context) - 12)

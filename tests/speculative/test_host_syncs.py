@@ -17,6 +17,7 @@ import triforce.speculative.engine as engine
 from triforce.model.loader import load_model
 from triforce.offload import full_cache_factory
 from triforce.speculative import GenerationConfig, Generator, Models
+from triforce.speculative.graphs import enable_cuda_graphs
 from triforce.speculative.hostsync import HostSyncCounter
 
 from ..conftest import save_tiny
@@ -41,9 +42,11 @@ def rounds(pair, mode, temperature, offload, adaptive=False, device_rounds=False
     a generation, and the entry points seen. Checks the offload's own waits on the way."""
     cfg = GenerationConfig(max_new_tokens=40, budget=64, chunk_size=8, gamma1=4, gamma2=6, draft_window=32,
                            sink_tokens=4, temperature=temperature, adaptive=adaptive,
-                           device_rounds=device_rounds)
+                           device_rounds=bool(device_rounds))
     factory = full_cache_factory("cpu", 64, chunk_tokens=7) if offload else None
     gen = Generator(Models(*pair), cfg, mode, len(PROMPT) + 64, full_cache_factory=factory)
+    if device_rounds == "whole":  # each drafter->middle round one graph (run eagerly on CPU)
+        enable_cuda_graphs(gen, eager_static=True)
     gen.prefill(PROMPT)
     out, layers = [], pair[0].kv_shape().num_layers
     with HostSyncCounter() as counter:
@@ -75,10 +78,11 @@ def test_one_wait_per_round(pair, mode, temperature, offload):
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_triforce_device_rounds_wait_once_per_round(pair, temperature, offload):
+@pytest.mark.parametrize("device_rounds", [True, "whole"], ids=["pass-by-pass", "whole-rounds"])
+def test_triforce_device_rounds_wait_once_per_round(pair, temperature, offload, device_rounds):
     """Drafter->middle rounds on the device (rounds.py, the GPU default): one read per full-cache round
-    however many middle passes it made."""
-    per_round, sites = rounds(pair, "triforce", temperature, offload, device_rounds=True)
+    however many middle passes it made, whether each pass or each whole round is one graph."""
+    per_round, sites = rounds(pair, "triforce", temperature, offload, device_rounds=device_rounds)
     assert [w for w, _ in per_round] == [1] * len(per_round)
     assert any(m > 1 for _, m in per_round) and sites == {"tolist"}
 

@@ -14,6 +14,7 @@ import torch
 import triforce.speculative.sampling as sampling
 from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.caches import FullCache
+from triforce.speculative.graphs import enable_cuda_graphs
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
 
@@ -53,11 +54,16 @@ def exact_joint(target, sampler: Sampler) -> torch.Tensor:
 
 def sample_joint(models: Models, mode: str, cfg: dict) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    cfg = dict(cfg)
+    whole = cfg.pop("whole_rounds", False)
     for seed in range(SAMPLES):
         gen = Generator(models, GenerationConfig(**cfg, seed=seed), mode, max_len=len(PROMPT) + 8)
+        if whole:  # each drafter->middle round one graph (rounds.RoundGraph, run eagerly on CPU)
+            enable_cuda_graphs(gen, eager_static=True)
         gen.prefill(PROMPT)
         tokens = gen.generate()
         counts[tokens[1], tokens[2]] += 1
+        assert not whole or gen.proposers[mode][0].graph.runs > 0  # the rounds did run as graphs
     return counts
 
 
@@ -77,11 +83,14 @@ def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, alpha_z: float
 
 
 DEVICE = {"device_rounds": True}  # triforce's drafter->middle rounds on the device (rounds.py)
+WHOLE = {**DEVICE, "whole_rounds": True}
 CASES = [("speculative", True, {}), ("retrieval", False, {}), ("triforce", True, {}),
          ("triforce", False, {}), ("triforce", True, {"top_k": 5, "top_p": 0.8}),
          ("triforce", True, DEVICE), ("triforce", False, DEVICE), ("triforce", True, {**DEVICE, "top_k": 5, "top_p": 0.8}),
          # two rounds per full pass: the full level verifies six positions, capped at what the middle made
-         ("triforce", True, {**DEVICE, "gamma2": 6})]
+         ("triforce", True, {**DEVICE, "gamma2": 6}),
+         # each round one graph, its uniforms drawn before it: one and two rounds per full pass
+         ("triforce", True, WHOLE), ("triforce", True, {**WHOLE, "gamma2": 6, "top_k": 5, "top_p": 0.8})]
 
 
 @pytest.mark.parametrize("mode,use_drafter,extra", CASES)
@@ -99,7 +108,7 @@ def wrong_residual(p, q):
     return p  # the reference implementation's mistake: resample from the target, not the residual
 
 
-@pytest.mark.parametrize("mode,extra", [("speculative", {}), ("triforce", {}), ("triforce", DEVICE)])
+@pytest.mark.parametrize("mode,extra", [("speculative", {}), ("triforce", {}), ("triforce", DEVICE), ("triforce", WHOLE)])
 def test_wrong_residual_is_caught(models, monkeypatch, mode, extra):
     target, drafter = models
     original = sampling.verify_sampled

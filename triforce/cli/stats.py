@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from triforce.runtime.report import level_ms_per_pass, link_floor, versus_plain
+from triforce.speculative.stats import LEVEL_ORDER, ROUND
 
 
 def print_session_stats(session, stats, cfg=None) -> None:
@@ -52,9 +53,11 @@ def print_stats_table(console: Console, mode: str, stats, lower_weights: str = "
         rows.append(("predicted ms per token", estimates_text(d["estimates"])))
     for key, value in d["acceptance"].items():
         rows.append((f"acceptance {key}", _fmt(value, 3)))
-    for level in ("draft", "middle", "verify"):
+    for level in LEVEL_ORDER:
         if d["passes"][level]:
-            rows.append((f"{level} passes / time", f"{d['passes'][level]} / {d['seconds'][level]:.2f} s"))
+            inside = d["passes"][level] - d["timed_passes"][level]
+            within = f" ({inside} inside {ROUND} rounds)" if inside else ""
+            rows.append((f"{level} passes / time", f"{d['passes'][level]}{within} / {d['seconds'][level]:.2f} s"))
     floor = link_floor(d, _decode_device(device)) if stats.bytes_moved is not None else None
     for level, ms in level_ms_per_pass(d).items():
         value = f"{ms:.1f}"

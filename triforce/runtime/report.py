@@ -6,8 +6,10 @@ import time
 
 
 def level_ms_per_pass(stats: dict) -> dict:
-    """{level: milliseconds per pass} of the levels that ran, from Stats.to_dict()."""
-    return {lv: 1e3 * stats["seconds"][lv] / n for lv, n in stats["passes"].items() if n}
+    """{level: milliseconds per pass} of the levels whose passes were timed, from Stats.to_dict()
+    (passes inside a whole drafter->middle round have the round's time, not their own)."""
+    timed = stats.get("timed_passes", stats["passes"])
+    return {lv: 1e3 * stats["seconds"][lv] / n for lv, n in timed.items() if n}
 
 
 _BANDWIDTH: dict = {}

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .modes import SUB_MODES  # noqa: F401 (the modes a hierarchy can run)
+from .stats import ROUND
 
 
 def tokens_per_verification(a: float, gamma: int) -> float:
@@ -42,7 +43,7 @@ def tokens_per_verification(a: float, gamma: int) -> float:
 
 
 def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, int], float],
-                      accept: Callable[[str], float], overhead: float = 0.0) -> float:
+                      accept: Callable[[str], float], overhead: float = 0.0, round_cost: float | None = None) -> float:
     """Seconds per committed token of `mode` proposing `gamma` tokens per full pass; cost(level, n) is
     a pass of `level` over n tokens, accept(edge) the rate one proposal is accepted at, overhead the
     seconds a full pass's round spends outside the levels' passes (sampling, cache upkeep):
@@ -51,7 +52,9 @@ def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, i
         speculative     (gamma draft(1) + verify(gamma+1) + overhead) / E(a_draft->verify, gamma)
         retrieval       (gamma middle(1) + verify(gamma+1) + overhead) / E(a_middle->verify, gamma)
         triforce        (gamma m + verify(gamma+1) + overhead) / E(a_middle->verify, gamma), where a middle
-                        token costs m = (gamma1 draft(1) + middle(gamma1+1)) / E(a_draft->middle, gamma1)
+                        token costs m = round / E(a_draft->middle, gamma1), and a drafter->middle round
+                        gamma1 draft(1) + middle(gamma1+1), or `round_cost` where rounds ran as one
+                        graph and were timed whole
     """
     e = tokens_per_verification
     if mode == "autoregressive":
@@ -61,7 +64,9 @@ def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, i
     if mode == "retrieval":
         return (gamma * cost("middle", 1) + cost("verify", gamma + 1) + overhead) / e(accept("middle->verify"), gamma)
     if mode == "triforce":
-        per_middle_token = (gamma1 * cost("draft", 1) + cost("middle", gamma1 + 1)) / e(accept("draft->middle"), gamma1)
+        if round_cost is None:
+            round_cost = gamma1 * cost("draft", 1) + cost("middle", gamma1 + 1)
+        per_middle_token = round_cost / e(accept("draft->middle"), gamma1)
         return (gamma * per_middle_token + cost("verify", gamma + 1) + overhead) / e(accept("middle->verify"), gamma)
     raise ValueError(f"unknown mode {mode!r}")
 
@@ -183,11 +188,17 @@ class Chooser:
 
     def known(self, mode: str) -> bool:
         levels, edges = needs(mode)
+        if mode == "triforce" and self.costs.known(ROUND):  # whole rounds timed: their passes need not be
+            levels = ("verify",)
         return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
 
     def predict(self, plan: Plan) -> float:
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
-                                 self.overhead.get(plan.mode, 0.0))
+                                 self.overhead.get(plan.mode, 0.0), self._round_cost(self.costs.estimate))
+
+    def _round_cost(self, cost: Callable[[str, int], float]) -> float | None:
+        """A drafter->middle round as measured whole, where rounds ran as one graph (rounds.RoundGraph)."""
+        return cost(ROUND, self.gamma1) if self.costs.known(ROUND) else None
 
     def bound(self, plan: Plan) -> float:
         """The best case of a plan given what is measured: every proposal on an edge never seen
@@ -199,7 +210,8 @@ class Chooser:
         def accept(edge: str) -> float:
             return self.acceptance.rate(edge) if self.acceptance.known(edge) else 1.0
 
-        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, cost, accept, self.overhead.get(plan.mode, 0.0))
+        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, cost, accept, self.overhead.get(plan.mode, 0.0),
+                                 self._round_cost(cost))
 
     def best(self, mode: str | None = None) -> Plan:
         """The plan predicted cheapest (of `mode`'s plans when given); a mode not measured yet runs

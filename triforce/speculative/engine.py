@@ -111,7 +111,7 @@ class Level:
         self.name, self.model, self.cache, self.stats, self.clock = name, model, cache, stats, clock
         self.held = self.agreed = 0
         self.meter: Chooser | None = None  # an adaptive generator's chooser, which times decode passes
-        self.timings: list[tuple] = []  # decode passes not yet reported: (tokens, start, end, typical)
+        self.timings: list[tuple] = []  # decode passes not yet reported: (name, tokens, start, end, typical)
 
     def changed_from(self, position: int) -> None:
         """The sequence changed at `position`: what this level holds from there on is stale."""
@@ -155,18 +155,19 @@ class Level:
         self.timed(ids.shape[0], start, typical=getattr(self.model, "captures", 0) == captures)
         return torch.cat(logits)[-n_out:]
 
-    def timed(self, tokens: int, start, typical: bool = True) -> None:
-        """A decode pass of `tokens` tokens began at `start` (PassClock.now()) and was just queued."""
+    def timed(self, tokens: int, start, typical: bool = True, name: str | None = None) -> None:
+        """A decode pass of `tokens` tokens began at `start` (PassClock.now()) and was just queued;
+        `name` times it as something other than this level's pass (a whole drafter->middle round)."""
         if self.stats.phase != "prefill":
-            self.timings.append((tokens, start, self.clock.now(), typical))
+            self.timings.append((name or self.name, tokens, start, self.clock.now(), typical))
 
     def report(self) -> None:
         """Hand the passes' times to the statistics and the chooser, once the host has waited anyway."""
-        for tokens, start, end, typical in self.timings:
+        for name, tokens, start, end, typical in self.timings:
             seconds = self.clock.seconds(start, end)
-            self.stats.add_pass(self.name, seconds)
+            self.stats.add_pass(name, seconds)
             if self.meter is not None:
-                self.meter.passed(self.name, tokens, seconds, typical=typical)
+                self.meter.passed(name, tokens, seconds, typical=typical)
         self.timings.clear()
 
     def rollback(self, length: int) -> None:
@@ -188,23 +189,28 @@ class Sampling:
     def uniforms(self, n: int) -> torch.Tensor:
         return torch.rand(n, generator=self.generator, device=self.device, dtype=torch.float64)
 
-    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens (N,) sampled from each row, and the rows' distributions (None when greedy)."""
+    def pick(self, logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (N,) sampled from each row, and the rows' distributions (None when greedy).
+        `uniforms` (N,): drawn beforehand (a graph cannot draw from the generator), else drawn now."""
         if self.sampler.greedy:
             return logits.argmax(dim=-1), None
         probs = self.sampler.probs(logits)
-        return draw_rows(probs, self.uniforms(probs.shape[0])), probs
+        return draw_rows(probs, self.uniforms(probs.shape[0]) if uniforms is None else uniforms), probs
 
-    def verify(self, drafts: torch.Tensor, draft_probs, logits: torch.Tensor, limit: torch.Tensor | None = None):
+    def verify(self, drafts: torch.Tensor, draft_probs, logits: torch.Tensor, limit: torch.Tensor | None = None,
+               uniforms: torch.Tensor | None = None):
         """(accepted, next token) as 0-dim device tensors, and this level's distributions (g+1, V)
-        or None when greedy. With `limit`, only the first `limit` drafts were proposed."""
+        or None when greedy. With `limit`, only the first `limit` drafts were proposed; `uniforms`
+        (g + 1,) as in pick."""
         if self.sampler.greedy:
             accepted, nxt = verify_greedy(drafts, logits.argmax(dim=-1), limit)
             return accepted, nxt, None
         probs = self.sampler.probs(logits)
+        if uniforms is None:
+            uniforms = self.uniforms(drafts.shape[0] + 1)
         if drafts.shape[0] == 0:  # nothing to verify: a plain draw
-            return torch.zeros((), dtype=torch.long, device=self.device), draw_rows(probs, self.uniforms(1))[0], probs
-        accepted, nxt = verify_sampled(drafts, draft_probs, probs, self.uniforms(drafts.shape[0] + 1), limit=limit)
+            return torch.zeros((), dtype=torch.long, device=self.device), draw_rows(probs, uniforms)[0], probs
+        accepted, nxt = verify_sampled(drafts, draft_probs, probs, uniforms, limit=limit)
         return accepted, nxt, probs
 
 

@@ -19,6 +19,10 @@ graph (fullgraph: a break would be an error, not a silent slowdown), run as is o
 on CUDA: norm, RoPE and SiLU fused, the mask built once per pass.
 
     enable_compiled_passes(generator)   # --compile
+
+Triforce's device rounds (rounds.py) go one step further under either call: each drafter->middle
+round (gamma1 drafter passes, the middle level's pass, sampling and verification) is one graph,
+rounds.RoundGraph, compiled or captured whole.
 """
 from __future__ import annotations
 
@@ -156,18 +160,26 @@ class GraphedModel:
         return torch.compile(forward, fullgraph=True, dynamic=False)
 
     def _capture(self, c: _Captured, last_only: bool) -> None:
-        # warm-up and capture write this call's K/V into this call's slots; the replay rewrites them
-        self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(c.tokens.device)  # no H2D copy inside the graph
-        side = torch.cuda.Stream(c.tokens.device)
-        side.wait_stream(torch.cuda.current_stream(c.tokens.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(self.warmup):
-                c.forward(c.tokens)
-        torch.cuda.current_stream(c.tokens.device).wait_stream(side)
         self.captures += 1
-        c.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(c.graph), torch.no_grad():
-            c.logits = c.forward(c.tokens)
+        c.graph, c.logits = capture_graph(lambda: c.forward(c.tokens), [self.model], c.tokens.device, self.warmup)
+
+
+def capture_graph(run, models, device: torch.device, warmup: int = 2):
+    """(CUDA graph, its outputs) of run(): a few eager warm-up calls on a side stream (lazy
+    initialisation, autotuning), then the capture. Warm-up and capture write their K/V into the
+    slots of the call they capture; every replay rewrites them."""
+    for model in models:  # no host-to-device copy inside the graph
+        model.rotary.inv_freq = model.rotary.inv_freq.to(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        outputs = run()
+    return graph, outputs
 
 
 def enable_compiled_passes(generator) -> list[GraphedModel]:
@@ -187,4 +199,8 @@ def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = F
             limit = generator.max_width + 1 if level is full else MAX_GRAPH_TOKENS
             level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit, compiled=compiled)
             wrapped.append(level.model)
+    from .rounds import DeviceRoundProposer, RoundGraph  # rounds builds on this module's views
+    for proposer, _ in generator.proposers.values():
+        if isinstance(proposer, DeviceRoundProposer):  # each drafter->middle round one graph
+            proposer.graph = RoundGraph(proposer, compiled=compiled, capture=not eager_static)
     return wrapped

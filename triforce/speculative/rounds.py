@@ -18,6 +18,13 @@ randomness and verification stays exact. Caches are addressed through `CursorVie
 buffers, slots and RoPE positions computed on the device from `at`, attention over the whole
 capacity under a mask (graphs.StaticView). What the caches' own host-side bookkeeping must learn
 (how far the drafter got, how many tokens each round made) comes back with the round's one read.
+
+Where the levels run as graphs (CUDA graphs, or --compile), each round is itself one graph
+(RoundGraph): its uniforms are drawn before it in one call (a graph cannot draw from the seeded
+generator), the caches' shifts are device inputs, and the drafter's first step always feeds
+FIRST_FEED tokens, rewriting with the same K/V any it already holds, so every round, the first of a
+step or a later one, has one shape. The round is timed whole, and the adaptive chooser prices
+triforce with that time (adaptive.seconds_per_token's `round_cost`).
 """
 from __future__ import annotations
 
@@ -25,7 +32,10 @@ import math
 
 import torch
 
-from .graphs import StaticView
+from .graphs import GraphedModel, StaticView, capture_graph
+from .stats import ROUND
+
+FIRST_FEED = 3  # a whole round's first drafter step feeds 3 tokens: 1-3 are new, the rest rewritten
 
 
 class CursorView(StaticView):
@@ -37,22 +47,27 @@ class CursorView(StaticView):
         super().__init__(cache, T)
         self.rope_by_slot = rope_by_slot
 
-    def point(self, start: torch.Tensor, shift: int) -> None:
-        """The T tokens fed next sit at sequence positions [start, start + T) (start: 0-dim, device)."""
-        torch.add(self.offsets, start - shift, out=self.slots)
+    def point(self, start: torch.Tensor, shift) -> None:
+        """The T tokens fed next sit at sequence positions [start, start + T) (start: 0-dim, device;
+        shift: an int, or a 0-dim device tensor inside a whole-round graph)."""
+        self.slots.copy_(self.offsets + (start - shift))
         self.positions.copy_(self.slots if self.rope_by_slot else self.slots + shift)
 
 
 class DeviceRoundProposer:
     """Drafter + StreamingLLM cache proposing gamma1 tokens per pass of the middle level (retrieval
     cache), for R rounds without a host read. `propose` returns (width, distributions, made): the
-    full level verifies `width` positions, of which the first `made` (device count) are proposals."""
+    full level verifies `width` positions, of which the first `made` (device count) are proposals.
+
+    With `graph` set (graphs.enable_cuda_graphs / enable_compiled_passes), each round is one graph
+    (RoundGraph) whose drafter always feeds FIRST_FEED tokens first, so every round has one shape."""
 
     def __init__(self, drafter, middle, gamma1: int, sampling):
         self.drafter, self.middle, self.gamma1, self.sampling = drafter, middle, gamma1, sampling
         self.views: dict[tuple[str, int], CursorView] = {}
         self.tokens_per_round = float(gamma1 + 1)  # running mean of what a round makes; optimistic start
         self.origins: list[str] = []
+        self.graph: RoundGraph | None = None
 
     # ------------------------------------------------------------------ planning (host, before the round)
     def rounds_for(self, gamma: int) -> int:
@@ -64,9 +79,16 @@ class DeviceRoundProposer:
         a drafter further behind (after a prefill, a chat turn) catches up on the host, once."""
         level = self.drafter
         level.rollback(min(level.agreed, c - 1))
-        if level.held < c - 3:
+        if level.held < c - FIRST_FEED:
             level.run(seq, c - 1, 1)
         return level.held
+
+    def _whole_rounds(self, c: int, shift: int) -> bool:
+        """Whether rounds run as graphs here: the first feed's FIRST_FEED positions, some of which the
+        drafter may hold already (rewritten with the same K/V), are all still in its window."""
+        cache = self.drafter.cache
+        floor = cache.sinks if cache.evictions else 0  # below: sinks, or positions evicted
+        return self.graph is not None and c - FIRST_FEED - shift >= floor
 
     # ------------------------------------------------------------------ the round
     def propose(self, seq, c: int, gamma: int):
@@ -78,23 +100,19 @@ class DeviceRoundProposer:
         assert self.middle.held == c - 1, (self.middle.held, c)  # absorbed up to the committed tokens
         draft_shift = self.drafter.cache.length - self.drafter.cache.used
         middle_shift = self.middle.cache.length - self.middle.cache.used
+        whole = self._whole_rounds(c, draft_shift)
         at = torch.full((), c, dtype=torch.long, device=device)
         steps = torch.arange(g + 1, device=device)
         dists = None  # the middle level's distribution at each of the width positions (sampled runs)
         accepts = []
         for r in range(R):
-            draft_dists = []
-            for k in range(g):
-                T = (c - held if r == 0 else 2) if k == 0 else 1
-                logits = self._pass(self.drafter, "draft", seq, at + k - T, T, draft_shift, rope_by_slot=True)
-                token, probs = self.sampling.pick(logits)
-                seq.ids.index_copy_(0, (at + k)[None], token)
-                draft_dists.append(probs)
-            logits = self._pass(self.middle, "middle", seq, at - 1, g + 1, middle_shift, rope_by_slot=False)
-            drafts = seq.ids.index_select(0, at + steps[:g])
-            q = None if draft_dists[0] is None else torch.cat(draft_dists)
-            accepted, nxt, probs = self.sampling.verify(drafts, q, logits)
-            seq.ids.index_copy_(0, (at + accepted)[None], nxt[None])
+            # a round's uniforms drawn up front: gamma1 drafter draws, then the middle's gamma1 + 1
+            uniforms = None if self.sampling.sampler.greedy else self.sampling.uniforms(2 * g + 1)
+            if whole:
+                accepted, probs = self._whole_round(seq.ids, at, draft_shift, middle_shift, uniforms)
+            else:
+                first = (c - held if r == 0 else 2)
+                accepted, probs = self.round(seq.ids, at, first, draft_shift, middle_shift, uniforms, self._pass)
             if probs is not None:  # rows past the round's accepted ones are overwritten by the next round
                 dists = probs.new_zeros(width, probs.shape[1]) if dists is None else dists
                 dists.index_copy_(0, at - c + steps, probs)
@@ -106,24 +124,66 @@ class DeviceRoundProposer:
         made = at + accepts[-1] + 1 - c
         return width, dists, made
 
-    def _pass(self, level, name: str, seq, start: torch.Tensor, T: int, shift: int, rope_by_slot: bool):
-        """Logits of `level` over seq[start : start + T] (device start): all T rows for the middle
-        level, the last one for the drafter. A level wrapped for graphs (graphs.GraphedModel: CUDA
-        graphs, or --compile) replays its graph of this view; others run eagerly."""
-        last_only = name == "draft"
+    def _whole_round(self, ids, at, draft_shift: int, middle_shift: int, uniforms):
+        """A round as one graph, timed whole (its passes are counted, their times are the round's)."""
+        g, builds = self.gamma1, self.graph.builds
+        begun = self.middle.clock.now()
+        accepted, probs = self.graph.run(ids, at, draft_shift, middle_shift, uniforms)
+        self.middle.timed(g, begun, typical=self.graph.builds == builds, name=ROUND)
+        if self.middle.stats.phase != "prefill":
+            self.drafter.stats.add_pass("draft", None, count=g)
+            self.middle.stats.add_pass("middle", None)
+        return accepted, probs
+
+    def round(self, ids: torch.Tensor, at: torch.Tensor, first: int, draft_shift, middle_shift,
+              uniforms: torch.Tensor | None, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One drafter->middle round, device work only: gamma1 drafter steps (the first feeds `first`
+        tokens ending at `at`, drafts go to at, at + 1, ...), the middle level's verification, its
+        token written after the accepted drafts. Returns (accepted, the middle's distributions or
+        None). forward(level, name, ids, start, T, shift) runs a pass."""
+        g = self.gamma1
+        draft_dists = []
+        for k in range(g):
+            T = first if k == 0 else 1
+            logits = forward(self.drafter, "draft", ids, at + k - T, T, draft_shift)
+            token, probs = self.sampling.pick(logits, None if uniforms is None else uniforms[k:k + 1])
+            ids.index_copy_(0, (at + k)[None], token)
+            draft_dists.append(probs)
+        logits = forward(self.middle, "middle", ids, at - 1, g + 1, middle_shift)
+        drafts = ids.index_select(0, at + torch.arange(g, device=ids.device))
+        q = None if draft_dists[0] is None else torch.cat(draft_dists)
+        accepted, nxt, probs = self.sampling.verify(drafts, q, logits, uniforms=None if uniforms is None else uniforms[g:])
+        ids.index_copy_(0, (at + accepted)[None], nxt[None])
+        return accepted, probs
+
+    def view(self, name: str, T: int) -> CursorView:
         key = (name, T)
         if key not in self.views:
-            self.views[key] = CursorView(level.cache, T, rope_by_slot)
-        view = self.views[key]
+            level = self.drafter if name == "draft" else self.middle
+            self.views[key] = CursorView(level.cache, T, rope_by_slot=name == "draft")
+        return self.views[key]
+
+    def _pass(self, level, name: str, ids: torch.Tensor, start: torch.Tensor, T: int, shift: int):
+        """Logits of `level` over ids[start : start + T] (device start), timed: all T rows for the
+        middle level, the last one for the drafter. A level wrapped for graphs (graphs.GraphedModel:
+        CUDA graphs, or --compile) replays its graph of this view; others run eagerly."""
+        view = self.view(name, T)
         view.point(start, shift)
-        ids = seq.ids.index_select(0, start + view.offsets)
+        tokens = ids.index_select(0, start + view.offsets)
         begun = level.clock.now()
         if hasattr(level.model, "run_view"):
-            logits = level.model.run_view(view, ids, last_only)
+            logits = level.model.run_view(view, tokens, name == "draft")
         else:
-            logits = level.model(ids, view, last_only)
+            logits = level.model(tokens, view, name == "draft")
         level.timed(T, begun)
         return logits
+
+    def raw_pass(self, level, name: str, ids: torch.Tensor, start: torch.Tensor, T: int, shift):
+        """_pass inside a whole-round graph: the bare model, untimed (the round is timed whole)."""
+        view = self.view(name, T)
+        view.point(start, shift)
+        model = level.model.model if isinstance(level.model, GraphedModel) else level.model
+        return model(ids.index_select(0, start + view.offsets), view, name == "draft")
 
     # ------------------------------------------------------------------ after the read (host)
     def settle(self, accepts: list[int], c: int, made: int) -> None:
@@ -143,3 +203,53 @@ class DeviceRoundProposer:
         self.origins = origins
         per_round = made / len(accepts)
         self.tokens_per_round += 0.3 * (per_round - self.tokens_per_round)
+
+
+class RoundGraph:
+    """Each drafter->middle round of a DeviceRoundProposer as one graph: its gamma1 drafter passes,
+    the middle level's pass, sampling and verification. torch.compile'd whole (fullgraph) with
+    `compiled`, captured as one CUDA graph with `capture`, else run eagerly (what the CPU tests check
+    the graphs against). Inputs live in static tensors: the round's position, the caches' shifts
+    between positions and slots, the round's uniforms; the sequence's ids and the caches' buffers
+    are written in place."""
+
+    def __init__(self, proposer: DeviceRoundProposer, compiled: bool = False, capture: bool = False):
+        self.proposer, self.capture = proposer, capture
+        device = proposer.middle.cache.k.device
+        g = proposer.gamma1
+        self.at = torch.zeros((), dtype=torch.long, device=device)
+        self.shifts = torch.zeros(2, dtype=torch.long, device=device)  # drafter's, middle's
+        self.uniforms = torch.zeros(2 * g + 1, dtype=torch.float64, device=device)
+        for name, T in (("draft", FIRST_FEED), ("draft", 1), ("middle", g + 1)):  # made before any trace
+            proposer.view(name, T)
+        self.fn = self._round
+        if compiled:
+            self.fn = torch.compile(self._round, fullgraph=True, dynamic=False)
+        self.graph, self.outputs = None, None
+        self.builds = 0  # compilations and captures: the rounds that paid one are not typical
+        self.runs = 0
+
+    def _round(self, ids, at, shifts, uniforms):
+        p = self.proposer
+        return p.round(ids, at, FIRST_FEED, shifts[0], shifts[1], uniforms, p.raw_pass)
+
+    def run(self, ids: torch.Tensor, at: torch.Tensor, draft_shift: int, middle_shift: int,
+            uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.at.copy_(at)
+        self.shifts[0].fill_(draft_shift)
+        self.shifts[1].fill_(middle_shift)
+        if uniforms is not None:
+            self.uniforms.copy_(uniforms)
+        u = None if uniforms is None else self.uniforms
+        self.runs += 1
+        if not self.capture:
+            if self.runs == 1 and self.fn is not self._round:
+                self.builds += 1  # the first call compiles
+            return self.fn(ids, self.at, self.shifts, u)
+        if self.graph is None:
+            models = (self.proposer.drafter.model, self.proposer.middle.model)
+            self.graph, self.outputs = capture_graph(lambda: self.fn(ids, self.at, self.shifts, u), models, ids.device)
+            self.builds += 1
+        self.graph.replay()
+        accepted, probs = self.outputs
+        return accepted.clone(), probs  # the next replay overwrites the outputs; probs is read before it

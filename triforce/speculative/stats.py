@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-LEVEL_ORDER = ("draft", "middle", "verify")
+ROUND = "draft+middle"  # a drafter->middle round run as one graph (rounds.RoundGraph): timed as a whole
+LEVEL_ORDER = ("draft", "middle", ROUND, "verify")
 
 
 @dataclass
@@ -19,16 +20,21 @@ class Stats:
     phase: str = "decode"
     passes: dict = field(default_factory=lambda: defaultdict(int))
     seconds: dict = field(default_factory=lambda: defaultdict(float))
+    untimed: dict = field(default_factory=lambda: defaultdict(int))  # passes inside a whole-round graph
     proposed: dict = field(default_factory=lambda: defaultdict(int))
     accepted: dict = field(default_factory=lambda: defaultdict(int))
     modes: dict = field(default_factory=lambda: defaultdict(int))  # full passes per mode (adaptive runs)
     estimates: dict = field(default_factory=dict)  # adaptive: {mode: {gamma, ms_per_token}} it believed last
 
-    def add_pass(self, level: str, seconds: float) -> None:
+    def add_pass(self, level: str, seconds: float | None, count: int = 1) -> None:
+        """`count` passes of `level`; seconds None: they ran inside a round timed as a whole."""
         if self.phase == "prefill":
             return  # prefill time is counted as a whole by the generator
-        self.passes[level] += 1
-        self.seconds[level] += seconds
+        self.passes[level] += count
+        if seconds is None:
+            self.untimed[level] += count
+        else:
+            self.seconds[level] += seconds
 
     def add_acceptance(self, key: str, proposed: int, accepted: int) -> None:
         self.proposed[key] += proposed
@@ -65,6 +71,7 @@ class Stats:
             "full_passes": self.full_passes,
             "passes": {k: self.passes.get(k, 0) for k in LEVEL_ORDER},
             "seconds": {k: self.seconds.get(k, 0.0) for k in LEVEL_ORDER},
+            "timed_passes": {k: self.passes.get(k, 0) - self.untimed.get(k, 0) for k in LEVEL_ORDER},
             "rebuilds": self.rebuilds,
             "bytes_moved": self.bytes_moved,
             "modes": dict(self.modes),
