@@ -49,6 +49,15 @@ AVX512 inline __m512 widen(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
+// Read ahead of the loops by software prefetch: the hardware's prefetcher alone left the score
+// kernel at 3x the memory floor (SmolLM2 at 16K keys, one thread: 12.3 ms for 30 layers, 4.9 with
+// this, against 4.15 to read the keys once)
+constexpr int AHEAD_BYTES = 4096;
+
+inline void read_ahead(const bf16* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + AHEAD_BYTES, _MM_HINT_T0);
+}
+
 inline bf16 scalar_bf16(float x) {
   return c10::BFloat16(x).x;  // round to nearest even
 }
@@ -86,6 +95,7 @@ AVX512 void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S
   int64_t full = S - S % 16;
   for (int64_t s0 = 0; s0 < full; s0 += 16) {
     const bf16* k = keys + s0 * D;
+    for (int line = 0; line < 16 * D; line += 32) read_ahead(k + line);  // 64-byte lines
     for (int64_t r = 0; r < R; ++r) {
       __m512bh q[NC];
       for (int c = 0; c < NC; ++c) q[c] = (__m512bh)_mm512_loadu_si512(rows + r * D + 32 * c);
@@ -119,6 +129,7 @@ AVX512 void mix_rows(const bf16* probs, int64_t S, const bf16* values, bf16* out
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     __m512 v[NC];
+    for (int c = 0; c < NC; c += 2) read_ahead(values + s * D + 16 * c);  // 64-byte lines
     for (int c = 0; c < NC; ++c) v[c] = widen(values + s * D + 16 * c);
     for (int r = 0; r < NR; ++r) {
       __m512 p = _mm512_set1_ps(scalar_f32(probs[r * S + s]));
