@@ -1,9 +1,11 @@
 """model.attention on CPU against attention written out per head in float64: every kernel path
 (grouped matmuls for a few queries, one causal piece, a later piece against a cached past)."""
+import shutil
+
 import pytest
 import torch
 
-from triforce.model import attention
+from triforce.model import attention, decode_attention
 
 
 def reference(q, keys, values):
@@ -49,3 +51,100 @@ def test_the_merged_past_and_piece_equals_the_masked_call(T, S, monkeypatch):
     monkeypatch.setattr(attention, "_CPU_FLASH", None)
     masked = attention.attend(q, keys, values)
     torch.testing.assert_close(split, masked, rtol=0, atol=1e-12)
+
+
+needs_kernels = pytest.mark.skipif(not decode_attention.available(),
+                                   reason="no avx512_bf16 or no C++ compiler: attention keeps bmm")
+BF16_ULP = 2 ** -7  # one rounding of a bfloat16 result apart, relative
+
+
+def close_to_one_rounding(got, want):
+    """Equal but for the order of float32 sums: at most one bf16 rounding apart."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=BF16_ULP, atol=BF16_ULP * want.float().abs().max().item() * 1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", decode_attention.HEAD_DIMS)
+@pytest.mark.parametrize("R", [1, 3, 5, 16])
+@pytest.mark.parametrize("S", [1, 15, 16, 37, 300])
+def test_decode_kernels_compute_bmm(D, R, S):
+    """Each kernel is bmm but for its sums' order, over a layer's view of a longer cache (the head
+    stride is the capacity's, not S) and for key counts that are and are not multiples of 16."""
+    g = torch.Generator().manual_seed(R * 1000 + S + D)
+    rows = torch.randn(3, R, D, generator=g).bfloat16()
+    keys = torch.randn(3, S + 21, D, generator=g).bfloat16()[:, :S]
+    values = torch.randn(3, S + 21, D, generator=g).bfloat16()[:, :S]
+    probs = torch.softmax(torch.randn(3, R, S, generator=g), dim=-1).bfloat16()
+    close_to_one_rounding(decode_attention.scores(rows, keys), torch.bmm(rows, keys.transpose(1, 2)))
+    close_to_one_rounding(decode_attention.mix(probs, values), torch.bmm(probs, values))
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("heads", [(9, 3), (6, 2), (4, 4)])
+def test_masked_attention_through_the_kernels_equals_bmm(T, heads, monkeypatch):
+    """attend_masked (the compiled static view's attention) takes the kernels for a bf16 cache and
+    gives what its bmm path gives: GQA groups, stale slots under the mask (filled with large values
+    they must not leak), several new tokens each seeing up to its own slot."""
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(T * 10 + Hq)
+    capacity, used = 333, 200
+    q = torch.randn(T, Hq, 64, generator=g).bfloat16()
+    keys, values = (torch.randn(Hkv, capacity, 64, generator=g).bfloat16() for _ in range(2))
+    keys[:, used + T:] *= 1000  # stale slots: nothing of them may reach the output
+    values[:, used + T:] = 1e4
+    slots = torch.arange(used, used + T)
+    mask = torch.zeros(T, capacity).masked_fill_(torch.arange(capacity)[None] > slots[:, None], float("-inf"))
+    mask = mask.bfloat16()
+    assert decode_attention.serves(q[:, :Hkv].transpose(0, 1).contiguous(), keys)
+    got = attention.attend_masked(q, keys, values, mask)
+    monkeypatch.setattr(decode_attention, "serves", lambda rows, cache: False)
+    want = attention.attend_masked(q, keys, values, mask)
+    assert want.abs().max() < 10  # the reference itself kept the stale slots out
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * BF16_ULP, atol=2e-3)
+
+
+def test_decode_kernels_serve_bf16_only():
+    """float32 compute over a 16-bit cache (kv_dtype.py) and float32 caches keep bmm: the kernels
+    take bfloat16 rows only, which float32 queries are not."""
+    cache = torch.zeros(3, 10, 64, dtype=torch.bfloat16)
+    assert not decode_attention.serves(torch.zeros(3, 3, 64), cache)
+    assert not decode_attention.serves(torch.zeros(3, 3, 64), cache.float())
+    assert not decode_attention.serves(torch.zeros(3, 3, 48, dtype=torch.bfloat16), torch.zeros(3, 10, 48, dtype=torch.bfloat16))
+
+
+def test_decode_kernels_build_where_the_cpu_has_avx512_bf16():
+    """Where they can build they must build and pass their own check: a kernel that computes wrongly
+    would otherwise turn into a silent fallback to bmm (and the tests above into skips)."""
+    from triforce.model.kv_dtype import cpu_flags
+
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags() or shutil.which("c++") is None:
+        pytest.skip("no avx512_bf16 or no C++ compiler")
+    assert decode_attention.available()
+
+
+@needs_kernels
+def test_compiled_bf16_decoding_through_the_kernels_keeps_the_eager_tokens(tmp_path):
+    """--compile on a bf16 model with 64-wide heads (GQA) attends through the kernels and decodes
+    the tokens of eager decoding, whose attention is torch's own GEMMs."""
+    from tests.conftest import save_tiny
+    from triforce.model.loader import load_model
+    from triforce.speculative import GenerationConfig, Generator, Models
+    from triforce.speculative.graphs import enable_compiled_passes
+
+    save_tiny(tmp_path, seed=3, vocab=64, layers=2, hidden=192, heads=3, kv_heads=1, inter=96)
+    models = Models(load_model(tmp_path, torch.bfloat16), None)
+    ids = [3 + (i * 7) % 60 for i in range(150)]
+    cfg = GenerationConfig(max_new_tokens=16)
+    eager = Generator(models, cfg, "autoregressive", max_len=200)
+    eager.prefill(ids)
+    compiled = Generator(models, cfg, "autoregressive", max_len=200)
+    enable_compiled_passes(compiled)
+    compiled.prefill(ids)
+    calls = []
+    kernel = decode_attention.scores
+    with pytest.MonkeyPatch.context() as patch:  # count the kernel's calls while the graph is traced
+        patch.setattr(decode_attention, "scores", lambda rows, keys: calls.append(rows.shape) or kernel(rows, keys))
+        assert compiled.generate() == eager.generate()
+    assert calls  # the graph called the kernel (traced through the counting wrapper)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import decode_attention
+
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
 
 
@@ -74,11 +76,14 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     Hkv = keys.shape[0]
     rep = Hq // Hkv
     grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
-    scores = torch.bmm(grouped, keys.transpose(1, 2)).view(Hkv, rep, T, -1)
+    # bf16 on avx512_bf16: the products as kernels at memory speed (decode_attention.py), else bmm
+    kernels = decode_attention.serves(grouped, keys)
+    scores = (decode_attention.scores(grouped, keys) if kernels
+              else torch.bmm(grouped, keys.transpose(1, 2))).view(Hkv, rep, T, -1)
     # the mask broadcasts over the heads: nothing per layer builds or copies it (compiled, the add
     # rides in the softmax kernel)
-    probs = torch.softmax(scores * D ** -0.5 + mask, dim=-1)
-    out = torch.bmm(probs.view(Hkv, rep * T, -1), values)
+    probs = torch.softmax(scores * D ** -0.5 + mask, dim=-1).view(Hkv, rep * T, -1)
+    out = decode_attention.mix(probs, values) if kernels else torch.bmm(probs, values)
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 
