@@ -14,6 +14,7 @@ setup(
         "tokenizers>=0.19",
         "numpy",
         "rich>=13",
+        "ninja",  # torch builds the CPU decode-attention kernels with it (model/decode_attention.py)
     ],
     extras_require={
         "gpu": ["flash-attn>=2.6", "nvidia-ml-py>=12"],
