@@ -45,6 +45,7 @@ class Setup:
     weights: str  # "stored" | "dequantized"
     kv: torch.dtype | None  # None: the compute dtype
     compiled: bool = False  # --compile: each level's small passes as torch.compile'd graphs
+    options: dict | None = None  # inductor's options for them
 
 
 SETUPS = {
@@ -54,6 +55,9 @@ SETUPS = {
     "bf16-stored": Setup("bf16-stored", torch.bfloat16, "stored", None),
     "f32-stored": Setup("f32-stored", torch.float32, "stored", None),  # exact; compiled product (stored_f32)
     "bf16-stored-compiled": Setup("bf16-stored-compiled", torch.bfloat16, "stored", None, compiled=True),
+    # the graphs' host code as C++ (inductor's cpp_wrapper): faster steps, much longer first compiles
+    "bf16-stored-compiled-cpp": Setup("bf16-stored-compiled-cpp", torch.bfloat16, "stored", None, compiled=True,
+                                      options={"cpp_wrapper": True}),
 }
 DEFAULT_SETUPS = ("f32", "f32-kv16", "bf16", "bf16-stored")
 
@@ -138,7 +142,7 @@ def run_context(args, context: int, bandwidth: float) -> list[dict]:
             from triforce.speculative.graphs import enable_compiled_passes
 
             for gen in gens.values():
-                enable_compiled_passes(gen)
+                enable_compiled_passes(gen, setup.options)
         state[name] = (target, summary, prefilled, gens)
     times = {(s, m): [] for s in args.setups for m in args.modes}
     outputs, last = {}, {}

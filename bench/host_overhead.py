@@ -29,6 +29,7 @@ from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.engine import MODES
 from triforce.speculative.graphs import enable_compiled_passes
 from triforce.speculative.hostsync import HostSyncCounter
+from triforce.speculative.stats import ROUND
 
 PROGRESS_AFTER_SECONDS = 10.0
 
@@ -104,7 +105,7 @@ def measure_mode(models, args, mode: str, temperature: float, prompt: list[int])
     start = time.perf_counter()
     tokens = len(gen.generate()) - 1
     seconds = time.perf_counter() - start
-    passes = sum(gen.stats.passes.values())
+    passes = sum(n for level, n in gen.stats.passes.items() if level != ROUND)  # a whole round is its passes
 
     gen, rounds = fresh(), 0
     with HostSyncCounter() as waits:
@@ -116,7 +117,8 @@ def measure_mode(models, args, mode: str, temperature: float, prompt: list[int])
     if mode not in COMPILED:
         gen = fresh()
         with OpCounter() as ops:
-            ops_per_token = ops.ops / (len(gen.generate()) - 1)
+            counted = len(gen.generate()) - 1
+        ops_per_token = ops.ops / counted
     return {"mode": mode, "sampled": temperature > 0, "tokens": tokens, "rounds": rounds,
             "waits_per_round": waits.total / rounds, "waits_by_site": dict(waits.by_site),
             "ops_per_token": ops_per_token, "passes_per_token": passes / tokens,

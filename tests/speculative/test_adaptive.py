@@ -4,6 +4,7 @@ tokens with exactly the target's distribution (chi-square against enumeration, t
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -122,6 +123,23 @@ def test_rounds_timed_whole_price_triforce():
     for edge in ("draft->middle", "middle->verify"):
         alone.acceptance.record(edge, 2, 1)
     assert alone.known("triforce") and not alone.known("speculative")
+
+
+def test_device_rounds_are_priced_by_the_positions_their_full_pass_verifies():
+    """Device rounds (rounds.py) verify every position of their R rounds, R (gamma1 + 1), capped at what
+    the rounds made: where a wide verification is dear (a CPU at long context) the chooser must see
+    that they cost more than host-driven rounds of the same gamma."""
+    acc = {"draft->middle": 0.5, "draft->verify": 0.25, "middle->verify": 0.5}
+    host, device = (Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6, device_rounds=d) for d in (False, True))
+    for chooser in (host, device):
+        teach(chooser, verify=lambda n: 0.1 * n, accept=acc)
+    a_dm, a_mv = host.acceptance.rate("draft->middle"), host.acceptance.rate("middle->verify")
+    e1 = 1 + a_dm + a_dm ** 2
+    rounds = math.ceil(3 / e1)  # gamma 3: two rounds of 2 drafts, 6 positions verified
+    made = rounds * e1
+    expected = (rounds * (2 * 0.01 + 0.02) + 0.1 * (rounds * 3 + 1)) / ((1 - a_mv ** (made + 1)) / (1 - a_mv))
+    assert rounds == 2 and device.predict(Plan("triforce", 3)) == pytest.approx(expected)
+    assert device.predict(Plan("triforce", 3)) > host.predict(Plan("triforce", 3))
 
 
 def test_a_mode_that_cannot_win_is_not_tried_first():

@@ -24,6 +24,7 @@ PROBE_EVERY when the mode wins, so a mode that keeps losing costs ever less.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
@@ -43,7 +44,8 @@ def tokens_per_verification(a: float, gamma: int) -> float:
 
 
 def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, int], float],
-                      accept: Callable[[str], float], overhead: float = 0.0, round_cost: float | None = None) -> float:
+                      accept: Callable[[str], float], overhead: float = 0.0, round_cost: float | None = None,
+                      device_rounds: bool = False) -> float:
     """Seconds per committed token of `mode` proposing `gamma` tokens per full pass; cost(level, n) is
     a pass of `level` over n tokens, accept(edge) the rate one proposal is accepted at, overhead the
     seconds a full pass's round spends outside the levels' passes (sampling, cache upkeep):
@@ -55,6 +57,10 @@ def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, i
                         token costs m = round / E(a_draft->middle, gamma1), and a drafter->middle round
                         gamma1 draft(1) + middle(gamma1+1), or `round_cost` where rounds ran as one
                         graph and were timed whole
+        triforce, device rounds (rounds.py): R = ceil(gamma / E1) whole rounds, E1 = E(a_draft->middle,
+                        gamma1) what one makes; the full pass verifies all their R (gamma1 + 1)
+                        positions, capped at the R E1 tokens they make on average:
+                        (R round + verify(R (gamma1+1) + 1) + overhead) / E(a_middle->verify, R E1)
     """
     e = tokens_per_verification
     if mode == "autoregressive":
@@ -66,7 +72,12 @@ def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, i
     if mode == "triforce":
         if round_cost is None:
             round_cost = gamma1 * cost("draft", 1) + cost("middle", gamma1 + 1)
-        per_middle_token = round_cost / e(accept("draft->middle"), gamma1)
+        per_round = e(accept("draft->middle"), gamma1)
+        if device_rounds:
+            rounds = max(1, math.ceil(gamma / per_round - 1e-9))
+            width = rounds * (gamma1 + 1)
+            return (rounds * round_cost + cost("verify", width + 1) + overhead) / e(accept("middle->verify"), rounds * per_round)
+        per_middle_token = round_cost / per_round
         return (gamma * per_middle_token + cost("verify", gamma + 1) + overhead) / e(accept("middle->verify"), gamma)
     raise ValueError(f"unknown mode {mode!r}")
 
@@ -155,8 +166,9 @@ class Chooser:
     # retrieval 9.0, adaptive flipping between them 8.1)
     SWITCH_MARGIN = 0.1
 
-    def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None):
-        self.modes, self.gamma1, self.agree = modes, gamma1, agree
+    def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None,
+                 device_rounds: bool = False):
+        self.modes, self.gamma1, self.agree, self.device_rounds = modes, gamma1, agree, device_rounds
         # the order modes are first tried in: the configured one, then plain decoding (one cheap pass
         # that times verify(1), which every prediction leans on), then the others
         self.order = tuple(dict.fromkeys(modes[:1] + tuple(m for m in modes if m == "autoregressive") + modes))
@@ -194,7 +206,8 @@ class Chooser:
 
     def predict(self, plan: Plan) -> float:
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
-                                 self.overhead.get(plan.mode, 0.0), self._round_cost(self.costs.estimate))
+                                 self.overhead.get(plan.mode, 0.0), self._round_cost(self.costs.estimate),
+                                 self.device_rounds)
 
     def _round_cost(self, cost: Callable[[str, int], float]) -> float | None:
         """A drafter->middle round as measured whole, where rounds ran as one graph (rounds.RoundGraph)."""
@@ -211,7 +224,7 @@ class Chooser:
             return self.acceptance.rate(edge) if self.acceptance.known(edge) else 1.0
 
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, cost, accept, self.overhead.get(plan.mode, 0.0),
-                                 self._round_cost(cost))
+                                 self._round_cost(cost), self.device_rounds)
 
     def best(self, mode: str | None = None) -> Plan:
         """The plan predicted cheapest (of `mode`'s plans when given); a mode not measured yet runs

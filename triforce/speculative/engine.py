@@ -304,8 +304,8 @@ class Generator:
             self.drafter = Level("draft", drafter, cache, self.stats, self.clock)
         self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter) if lv is not None]
         self.chooser, self.agree = None, agree
-        self._new_chooser()
         self.device_rounds = cfg.rounds_on_device(self.device)
+        self._new_chooser()
         self.proposers = {m: self._compose(m) for m in SUB_MODES[mode]}
         self.gamma = self.proposers[mode][1]  # the fixed mode's proposals per full pass
         self.max_width = sizes.widest  # the most positions a full pass verifies
@@ -360,7 +360,8 @@ class Generator:
     def _new_chooser(self) -> None:
         """An adaptive generator's chooser, knowing nothing yet, timing every level's passes."""
         if self.cfg.adaptive and len(SUB_MODES[self.mode]) > 1:
-            self.chooser = Chooser(SUB_MODES[self.mode], self.cfg.gamma1, self.cfg.gamma2, self.agree)
+            self.chooser = Chooser(SUB_MODES[self.mode], self.cfg.gamma1, self.cfg.gamma2, self.agree,
+                                   device_rounds=self.device_rounds)
             for level in (self.full, self.middle, self.drafter):
                 if level is not None:
                     level.meter = self.chooser

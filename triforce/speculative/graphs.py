@@ -100,9 +100,9 @@ class GraphedModel:
     static view eagerly on any device); everything else goes to the model unchanged."""
 
     def __init__(self, model, eager_static: bool = False, max_tokens: int = MAX_GRAPH_TOKENS, warmup: int = 2,
-                 compiled: bool = False):
+                 compiled: bool = False, options: dict | None = None):
         self.model, self.max_tokens, self.warmup = model, max_tokens, warmup
-        self.eager_static, self.compiled = eager_static, compiled
+        self.eager_static, self.compiled, self.options = eager_static, compiled, options
         self.captured: dict[tuple, _Captured] = {}
         self.views: dict[tuple, StaticView] = {}
         self.replays = 0
@@ -157,7 +157,7 @@ class GraphedModel:
         # every (view, shape) is one more compiled entry of this same code object: a triforce run with
         # device rounds has about a dozen, past dynamo's default limit of 8 (which fails under fullgraph)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(forward, fullgraph=True, dynamic=False)
+        return torch.compile(forward, fullgraph=True, dynamic=False, options=self.options)
 
     def _capture(self, c: _Captured, last_only: bool) -> None:
         self.captures += 1
@@ -182,13 +182,17 @@ def capture_graph(run, models, device: torch.device, warmup: int = 2):
     return graph, outputs
 
 
-def enable_compiled_passes(generator) -> list[GraphedModel]:
+def enable_compiled_passes(generator, options: dict | None = None) -> list[GraphedModel]:
     """Every level with a resident cache runs its small passes as torch.compile'd graphs over static
-    shapes (captured as CUDA graphs on a GPU); returns the wrappers."""
-    return enable_cuda_graphs(generator, eager_static=not generator.device.type == "cuda", compiled=True)
+    shapes (captured as CUDA graphs on a GPU); returns the wrappers. `options`: inductor's. Not
+    cpp_wrapper by default: on CPU its C++ host code saved 0.6 ms a SmolLM2 token at 4K (10.7 -> 10.1,
+    bench.bytes_floor's bf16-stored-compiled-cpp) but multiplied the first compile's minutes."""
+    return enable_cuda_graphs(generator, eager_static=generator.device.type != "cuda", compiled=True,
+                              options=options)
 
 
-def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = False) -> list[GraphedModel]:
+def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = False,
+                       options: dict | None = None) -> list[GraphedModel]:
     """Wrap the models of the levels with a resident cache; returns the wrappers (their `replays` count)."""
     wrapped = []
     full = generator.full if isinstance(generator.full.cache, FullCache) else None
@@ -197,10 +201,11 @@ def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = F
             # the full level graphs its verification passes only: a chat turn of a few tokens is
             # prefill, and one capture per turn length would hold as many copies of the graph
             limit = generator.max_width + 1 if level is full else MAX_GRAPH_TOKENS
-            level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit, compiled=compiled)
+            level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit, compiled=compiled,
+                                       options=options)
             wrapped.append(level.model)
     from .rounds import DeviceRoundProposer, RoundGraph  # rounds builds on this module's views
     for proposer, _ in generator.proposers.values():
         if isinstance(proposer, DeviceRoundProposer):  # each drafter->middle round one graph
-            proposer.graph = RoundGraph(proposer, compiled=compiled, capture=not eager_static)
+            proposer.graph = RoundGraph(proposer, compiled=compiled, capture=not eager_static, options=options)
     return wrapped

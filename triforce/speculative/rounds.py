@@ -213,7 +213,8 @@ class RoundGraph:
     between positions and slots, the round's uniforms; the sequence's ids and the caches' buffers
     are written in place."""
 
-    def __init__(self, proposer: DeviceRoundProposer, compiled: bool = False, capture: bool = False):
+    def __init__(self, proposer: DeviceRoundProposer, compiled: bool = False, capture: bool = False,
+                 options: dict | None = None):
         self.proposer, self.capture = proposer, capture
         device = proposer.middle.cache.k.device
         g = proposer.gamma1
@@ -224,7 +225,7 @@ class RoundGraph:
             proposer.view(name, T)
         self.fn = self._round
         if compiled:
-            self.fn = torch.compile(self._round, fullgraph=True, dynamic=False)
+            self.fn = torch.compile(self._round, fullgraph=True, dynamic=False, options=options)
         self.graph, self.outputs = None, None
         self.builds = 0  # compilations and captures: the rounds that paid one are not typical
         self.runs = 0
