@@ -153,14 +153,15 @@ def measure_static_cache(hf_model, prompt: list[int], steps: int) -> dict | None
 
 
 def table(rows: list[dict]) -> str:
-    """Readable in 80 columns."""
-    head = f"{'mode':<31} {'sampling':<8} {'waits/round':>11} {'ops/token':>10} {'passes/tok':>10} " \
+    """Readable in 80 columns (wider with --compiled-rounds' long names)."""
+    w = max(15, *(len(r["mode"]) for r in rows))
+    head = f"{'mode':<{w}} {'sampling':<8} {'waits/round':>11} {'ops/token':>10} {'passes/tok':>10} " \
            f"{'ms/pass':>8} {'ms/token':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         waits = "-" if r["waits_per_round"] is None else f"{r['waits_per_round']:.2f}"
         ops = "-" if r["ops_per_token"] is None else f"{r['ops_per_token']:,.0f}"
-        lines.append(f"{r['mode']:<31} {'sampled' if r['sampled'] else 'greedy':<8} {waits:>11} "
+        lines.append(f"{r['mode']:<{w}} {'sampled' if r['sampled'] else 'greedy':<8} {waits:>11} "
                      f"{ops:>10} {r['passes_per_token']:>10.2f} "
                      f"{r['host_ms_per_pass']:>8.2f} {r['host_ms_per_token']:>9.2f}")
     return "\n".join(lines)
