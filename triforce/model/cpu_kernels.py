@@ -7,6 +7,8 @@ opaque kernels. A module whose build or self-check fails keeps torch's own ops.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from .kv_dtype import cpu_flags
 
 ISA = {"avx512f", "avx512bw", "avx512_bf16"}  # what every kernel's code is compiled for
@@ -67,8 +69,24 @@ def cpu_has_isa() -> bool:
     return ISA <= cpu_flags()
 
 
-def build(name: str, source: str) -> None:
-    """Compile PRELUDE + source as the extension `name` and load its torch ops (raises on failure)."""
-    from torch.utils.cpp_extension import load_inline
+_BUILT: dict[str, bool] = {}
 
-    load_inline(name, cpp_sources=[PRELUDE + source], extra_cflags=["-O3"], is_python_module=False)
+
+def built(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool]) -> bool:
+    """Whether the extension `name` (PRELUDE + source) builds here, its ops' shapes registered for
+    torch.compile, and passes `check` on a small case. Built and checked once per process: any
+    failure (no compiler, no headers, an ISA the build rejects, a wrong result) means False."""
+    if name not in _BUILT:
+        _BUILT[name] = cpu_has_isa() and _build_and_check(name, source, register_shapes, check)
+    return _BUILT[name]
+
+
+def _build_and_check(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool]) -> bool:
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        load_inline(name, cpp_sources=[PRELUDE + source], extra_cflags=["-O3"], is_python_module=False)
+        register_shapes()
+        return bool(check())
+    except Exception:  # noqa: BLE001 - not here, whatever the reason: the callers keep torch's ops
+        return False

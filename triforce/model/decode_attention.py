@@ -162,31 +162,21 @@ TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
 """
 
 
-_BUILT: dict[str, bool] = {}
-
-
 @torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here and compute bmm's products on a small case (any failure,
     a missing compiler or headers, means attention keeps bmm). Asked once per process."""
-    if "ok" not in _BUILT:
-        _BUILT["ok"] = cpu_kernels.cpu_has_isa() and _build_and_check()
-    return _BUILT["ok"]
+    return cpu_kernels.built("triforce_decode_attention", SOURCE, _register_shapes, _self_check)
 
 
-def _build_and_check() -> bool:
-    try:
-        cpu_kernels.build("triforce_decode_attention", SOURCE)
-        _register_shapes()
-        g = torch.Generator().manual_seed(0)
-        rows = torch.randn(2, 3, 64, generator=g).bfloat16()
-        cache = torch.randn(2, 37, 64, generator=g).bfloat16()
-        probs = torch.rand(2, 3, 37, generator=g).bfloat16()
-        return (torch.allclose(scores(rows, cache).float(), torch.bmm(rows, cache.transpose(1, 2)).float(),
-                               rtol=1e-2, atol=1e-2)
-                and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2))
-    except Exception:  # noqa: BLE001 - no compiler, no headers, an ISA the build rejects: not here
-        return False
+def _self_check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 3, 64, generator=g).bfloat16()
+    cache = torch.randn(2, 37, 64, generator=g).bfloat16()
+    probs = torch.rand(2, 3, 37, generator=g).bfloat16()
+    return (torch.allclose(scores(rows, cache).float(), torch.bmm(rows, cache.transpose(1, 2)).float(),
+                           rtol=1e-2, atol=1e-2)
+            and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2))
 
 
 def _register_shapes() -> None:

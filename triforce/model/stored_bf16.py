@@ -228,25 +228,11 @@ TORCH_LIBRARY_IMPL(triforce_stored, CPU, m) {
 """
 
 
-_BUILT: dict[str, bool] = {}
-
-
 @torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here and compute the dequantized product on a small case (any
     failure keeps torch's int4 kernel). Asked once per process."""
-    if "ok" not in _BUILT:
-        _BUILT["ok"] = cpu_kernels.cpu_has_isa() and _build_and_check()
-    return _BUILT["ok"]
-
-
-def _build_and_check() -> bool:
-    try:
-        cpu_kernels.build("triforce_stored_bf16", SOURCE)
-        _register_shapes()
-        return _self_check()
-    except Exception:  # noqa: BLE001 - no compiler, no headers, an ISA the build rejects: not here
-        return False
+    return cpu_kernels.built("triforce_stored_bf16", SOURCE, _register_shapes, _self_check)
 
 
 def _self_check() -> bool:
