@@ -26,6 +26,10 @@ against 9 ms dense float32), so `resolve_weights` measures before choosing it. F
 therefore compute through stored_f32's compiled product over the same codes and float32 scales where
 it builds (2.4 ms for that head with torch's avx2 code, against 5.4 ms dense float32), the int4
 reference path only where it does not.
+
+bfloat16 rows (at most 16) on a CPU with avx512_bf16 take stored_bf16's kernels instead of the int4
+kernel: the GGUF's own f16 scales (not bf16-rounded ones), read at memory speed (that head 0.49 ms
+against 1.56 through the int4 kernel, one thread); the int4 buffers are then not built.
 """
 from __future__ import annotations
 
