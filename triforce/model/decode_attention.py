@@ -18,56 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from .kv_dtype import cpu_flags
+from . import cpu_kernels
 
 HEAD_DIMS = (64, 128)  # the kernels are unrolled for these
 MAX_ROWS = 16  # the value kernel keeps 4 rows in registers and reads the values again per 4 rows
 
 SOURCE = r"""
-#include <torch/library.h>
-#include <ATen/ATen.h>
-#include <immintrin.h>
-#include <cstdint>
-#include <cstring>
-
 namespace {
-
-using bf16 = uint16_t;
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-
-// f32 -> bf16, round to nearest even (what torch's bmm does to its float32 sums); NaN stays NaN
-AVX512 inline __m256i to_bf16(__m512 x) {
-  __m512i u = _mm512_castps_si512(x);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-AVX512 inline __m512 widen(const bf16* p) {
-  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
-// Read ahead of the loops by software prefetch: the hardware's prefetcher alone left the score
-// kernel at 3x the memory floor (SmolLM2 at 16K keys, one thread: 12.3 ms for 30 layers, 4.9 with
-// this, against 4.15 to read the keys once)
-constexpr int AHEAD_BYTES = 4096;
-
-inline void read_ahead(const bf16* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p) + AHEAD_BYTES, _MM_HINT_T0);
-}
-
-inline bf16 scalar_bf16(float x) {
-  return c10::BFloat16(x).x;  // round to nearest even
-}
-
-inline float scalar_f32(bf16 x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // 16 vectors of partial sums -> one vector of their 16 totals. Lane l holds the total of vector
 // SLOT[l]: the dot product of key j is accumulated in vector SLOT[j] (SLOT is its own inverse),
@@ -159,8 +116,6 @@ void check_cache(const at::Tensor& cache, int64_t heads) {
   TORCH_CHECK(cache.stride(2) == 1 && cache.stride(1) == cache.size(2), "each head's tokens must be contiguous");
 }
 
-const bf16* data(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.const_data_ptr()); }
-
 at::Tensor scores(const at::Tensor& rows_in, const at::Tensor& keys) {
   auto rows = rows_in.contiguous();
   int64_t H = rows.size(0), R = rows.size(1), D = rows.size(2), S = keys.size(1);
@@ -207,34 +162,21 @@ TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
 """
 
 
-_BUILT: dict[str, bool] = {}
-
-
 @torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here and compute bmm's products on a small case (any failure,
     a missing compiler or headers, means attention keeps bmm). Asked once per process."""
-    if "ok" not in _BUILT:
-        _BUILT["ok"] = {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags() and _build_and_check()
-    return _BUILT["ok"]
+    return cpu_kernels.built("triforce_decode_attention", SOURCE, _register_shapes, _self_check)
 
 
-def _build_and_check() -> bool:
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        load_inline("triforce_decode_attention", cpp_sources=[SOURCE], extra_cflags=["-O3"],
-                    is_python_module=False)
-        _register_shapes()
-        g = torch.Generator().manual_seed(0)
-        rows = torch.randn(2, 3, 64, generator=g).bfloat16()
-        cache = torch.randn(2, 37, 64, generator=g).bfloat16()
-        probs = torch.rand(2, 3, 37, generator=g).bfloat16()
-        return (torch.allclose(scores(rows, cache).float(), torch.bmm(rows, cache.transpose(1, 2)).float(),
-                               rtol=1e-2, atol=1e-2)
-                and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2))
-    except Exception:  # noqa: BLE001 - no compiler, no headers, an ISA the build rejects: not here
-        return False
+def _self_check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 3, 64, generator=g).bfloat16()
+    cache = torch.randn(2, 37, 64, generator=g).bfloat16()
+    probs = torch.rand(2, 3, 37, generator=g).bfloat16()
+    return (torch.allclose(scores(rows, cache).float(), torch.bmm(rows, cache.transpose(1, 2)).float(),
+                           rtol=1e-2, atol=1e-2)
+            and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2))
 
 
 def _register_shapes() -> None:

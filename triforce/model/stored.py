@@ -26,6 +26,10 @@ against 9 ms dense float32), so `resolve_weights` measures before choosing it. F
 therefore compute through stored_f32's compiled product over the same codes and float32 scales where
 it builds (2.4 ms for that head with torch's avx2 code, against 5.4 ms dense float32), the int4
 reference path only where it does not.
+
+bfloat16 rows (at most 16) on a CPU with avx512_bf16 take stored_bf16's kernels instead of the int4
+kernel: the GGUF's own f16 scales (not bf16-rounded ones), read at memory speed (that head 0.49 ms
+against 1.56 through the int4 kernel, one thread); the int4 buffers are then not built.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import stored_f32
+from . import stored_bf16, stored_f32
 from .gguf_blocks import BLOCK, FORMS, Blocks
 
 # Above this many rows (prefill, window refills) the weights are dequantized for one dense GEMM:
@@ -52,11 +56,16 @@ def _int4_kernels_available() -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W in int4 groups of 32 (code, scale, zero), as the GGUF stores it.
 
-    `repeat` is how many times x is laid side by side along K (2 for Q8_0's hi/lo halves)."""
+    `repeat` is how many times x is laid side by side along K (2 for Q8_0's hi/lo halves).
+    `records` (stored_bf16's block layout, "q4" or "q8") replace the int4 kernel for bf16 rows."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int,
-                 dtype: torch.dtype, bias: torch.Tensor | None = None, kind: str = "Q4_1"):
+                 dtype: torch.dtype, bias: torch.Tensor | None = None, kind: str = "Q4_1",
+                 records: tuple[str, torch.Tensor] | None = None):
         super().__init__()
+        self.block_kernel = None if records is None else records[0]
+        if records is not None:
+            self.register_buffer("block_records", records[1])
         self.kind, self.repeat = kind, repeat
         self.out_features, self.packed_k = codes.shape
         self.in_features = self.packed_k // repeat
@@ -70,7 +79,7 @@ class PackedLinear(nn.Module):
         # float32: the compiled one-row product (stored_f32), where it builds; torch's float32 int4
         # path is a slow reference
         self.compiled_f32 = dtype == torch.float32 and stored_f32.available()
-        if self.compiled_f32:
+        if self.compiled_f32 or self.block_kernel is not None:
             self.kernel_dtype = None
         if self.kernel_dtype is not None:
             # the kernel packs rows 16 at a time: pad with zero weights (scale 0, zero 0), cut after
@@ -84,6 +93,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.block_kernel is not None and stored_bf16.serves(rows):
+            product = stored_bf16.q4_product if self.block_kernel == "q4" else stored_bf16.q8_product
+            out = product(rows, self.block_records, self.out_features)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*x.shape[:-1], self.out_features)
         if self.compiled_f32 and x.dtype == torch.float32 and rows.shape[0] <= PACKED_KERNEL_MAX_ROWS and x.device.type == "cpu":
             out = stored_f32.rows_product(torch.cat([rows] * self.repeat, dim=-1), self.codes, self.scales, self.zeros)
             if self.bias is not None:
@@ -112,20 +127,24 @@ class PackedLinear(nn.Module):
 
     def bytes_per_row_pass(self) -> int:
         """Bytes of weights a pass of a few rows reads: the codes, scales and zeros."""
-        elem = self.scales_and_zeros.element_size() if self.kernel_dtype is not None else 4
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        if self.block_kernel is not None:
+            return self.block_records.numel() + bias
+        elem = self.scales_and_zeros.element_size() if self.kernel_dtype is not None else 4
         return self.codes.numel() + 2 * self.scales.numel() * elem + bias
 
     def extra_repr(self) -> str:
-        kernel = "compiled float32" if self.compiled_f32 else self.kernel_dtype
+        kernel = ("compiled float32" if self.compiled_f32 else
+                  f"bf16 {self.block_kernel} records" if self.block_kernel else self.kernel_dtype)
         return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={kernel}"
 
 
 def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | None = None) -> PackedLinear:
     """The exact int4-group form of a matrix of a stored type, or a stack of one form (module docstring)."""
     forms = {FORMS.get(kind) for kind in blocks.kind.split("+")}
+    records = block_records(blocks, forms) if dtype == torch.bfloat16 and stored_bf16.available() else None
     if forms == {"affine"}:  # Q4_K arrives decoded into Q4_1's per-32 form
-        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind)
+        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind, records)
     elif forms == {"signed"} and dtype == torch.float32 and stored_f32.available() and stored_f32.bytes_pay():
         layer = ByteCodesLinear(blocks.q, blocks.d, bias, blocks.kind)
     elif forms == {"signed"}:  # Q5_0 arrives decoded into Q8_0's form
@@ -134,11 +153,23 @@ def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | 
         codes = torch.cat([hi, lo], dim=1)
         layer = PackedLinear(codes, torch.cat([16 * blocks.d, blocks.d], dim=1),
                              torch.cat([torch.zeros_like(blocks.d), 8 * blocks.d], dim=1), 2, dtype, bias,
-                             blocks.kind)
+                             blocks.kind, records)
     else:
         raise ValueError(f"no packed form for {blocks.kind}")
     layer.stored_bytes = blocks.stored_bytes
     return layer
+
+
+def block_records(blocks: Blocks, forms: set) -> tuple[str, torch.Tensor] | None:
+    """stored_bf16's records of a matrix: affine codes (Q4_1, Q4_K) as "q4", signed ones (Q8_0, Q5_0)
+    as "q8" (Q5_0's 5-bit codes take 8 bits there, as in the int4 kernel's two halves). Scales are
+    the GGUF's f16 values, but Q4_K's per-32 products d * sc, dmin * m, which take float32."""
+    scale_dtype = torch.float32 if "Q4_K" in blocks.kind else torch.float16
+    if forms == {"affine"}:
+        return "q4", stored_bf16.q4_records(blocks.q, blocks.d, blocks.m, scale_dtype)
+    if forms == {"signed"}:
+        return "q8", stored_bf16.q8_records(blocks.q, blocks.d, scale_dtype)
+    return None
 
 
 class ByteCodesLinear(PackedLinear):
@@ -149,6 +180,7 @@ class ByteCodesLinear(PackedLinear):
     def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kind: str):
         nn.Module.__init__(self)
         self.kind, self.repeat, self.kernel_dtype, self.compiled_f32 = kind, 1, None, True
+        self.block_kernel = None
         self.out_features, self.in_features = q.shape
         self.packed_k, self.stored_bytes = self.in_features, 0
         self.register_buffer("offset_codes", (q.to(torch.int16) + 128).to(torch.uint8))

@@ -1,0 +1,320 @@
+"""bfloat16 products of a few rows with weights as stored (GGUF blocks), read once at memory speed.
+
+torch's packed int4 kernel ran at 17-20 GB/s on this project's CPU whatever the shape, against ~48 to
+read memory (one thread; SmolLM2's weight products 5.6 ms a token against a 2.1 ms byte floor), and
+it takes the scales rounded to bfloat16. These kernels compute, for each row x (bf16) and output n,
+
+    y[n] = sum over blocks b of  d[n,b] * (sum_{k in b} q[n,k] x[k])  +  m[n,b] * (sum_{k in b} x[k])
+
+which is x . W^T for W = d * q + m (Q4_1, and Q4_K decoded to per-32 blocks) or W = d * q (Q8_0, and
+Q5_0 decoded to Q8_0's form, with m = 0), with d and m the GGUF's own values as float32 (f16 values,
+or for Q4_K an f16 times a 6-bit integer: stored as float32 there). Every product q * x is exact in
+float32 (the codes are exact in bfloat16: 0..15, or for Q8_0 its two nibbles 16 * hi + lo with hi in
+[-8, 7]; avx512_bf16 multiplies pairs of bfloat16 exactly), every sum is a float32 sum, and each output
+is rounded once to bfloat16, to nearest even. So this is the dequantized model's product but for the
+order (and grouping by block) of float32 sums; tests/model/test_stored_bf16.py holds it to float64.
+
+Layout ("records", built by `q4_records` / `q8_records`, stored in the packed cache): the output rows
+in groups of 16, one per lane of a 512-bit vector, so that a block's sum lands in a lane without
+horizontal sums. For each group and block of 32 columns, contiguous (one stream, read ahead 4 KB):
+
+    Q4 (320 bytes, or 384 with float32 scales): 4 vectors of 16 int32 words, lane n of vector c holding
+       row n's columns 8c..8c+7 of the block as nibbles: nibble k of the low 16 bits is column 8c+2k,
+       nibble k of the high 16 bits column 8c+2k+1; then the 16 rows' d, then their m.
+    Q8 (544 bytes, or 576): 8 vectors of 16 words, lane n of vector c holding row n's int8 codes of
+       columns 4c, 4c+2, 4c+1, 4c+3 (in byte order); then the 16 rows' d.
+
+A word's 16-bit halves are extracted by the same shift, and looked up (vpermw, one instruction) in
+a table of bfloat16 values: each extraction is a pair of columns (2j, 2j+1) whose x is one 32-bit
+broadcast, so x needs no rearranging. Rows past N (a last partial group) have zero codes and scales.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_kernels
+
+LANES = 16  # output rows per group: one per float32 lane of a 512-bit vector
+BLOCK = 32
+MAX_ROWS = 16  # rows of x: 4 at a time in registers, the group's records read again (from cache) per 4
+
+SOURCE = r"""
+namespace {
+
+// bfloat16 bit patterns of 32 table entries: vpermw indexes with a word's low 5 bits, so entry i
+// is the value of the nibble i & 15 (bit 4 of the index is another nibble's, and ignored)
+struct Tables {
+  alignas(64) bf16 unsigned_nibble[32];  // 0..15
+  alignas(64) bf16 signed_high[32];      // 16 * h, h the nibble as 4-bit two's complement: -128..112
+};
+
+inline bf16 exact_bf16(float v) {  // small integers: the top 16 bits of the float32 are the value
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return bf16(u >> 16);
+}
+
+const Tables& tables() {
+  static const Tables t = [] {
+    Tables t;
+    for (int i = 0; i < 32; ++i) {
+      int nibble = i & 15;
+      t.unsigned_nibble[i] = exact_bf16(float(nibble));
+      t.signed_high[i] = exact_bf16(float(16 * (nibble < 8 ? nibble : nibble - 16)));
+    }
+    return t;
+  }();
+  return t;
+}
+
+AVX512 inline __m512 load_scales(const uint16_t* p) {  // 16 f16 values, widened exactly
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+AVX512 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+
+AVX512 inline __m512bh lookup(__m512i words, __m512i table) {
+  return (__m512bh)_mm512_permutexvar_epi16(words, table);
+}
+
+// The 4 column pairs of one vector of code words as bfloat16 pairs. Q4: nibble k of each half is
+// column pair k, all through the unsigned table. Q8: bytes 0 and 2 of a word (its halves' low bytes)
+// are one column pair, bytes 1 and 3 the next: low nibbles unsigned, high nibbles signed times 16.
+AVX512 inline void decode4(__m512i v, __m512i low_table, __m512i high_table, __m512bh* w) {
+  w[0] = lookup(v, low_table);
+  w[1] = lookup(_mm512_srli_epi16(v, 4), high_table);
+  w[2] = lookup(_mm512_srli_epi16(v, 8), low_table);
+  w[3] = lookup(_mm512_srli_epi16(v, 12), high_table);
+}
+
+// acc[r] += block sums q . x of 16 column pairs w[j] for NR rows of x, pair j being columns
+// 2 * PAIR(j) of the block (pair_of). Several chains per row when few rows: dpbf16's latency.
+template <int NR, typename PairOf>
+AVX512 inline void dots(const __m512bh* w, const uint32_t* const* x, PairOf pair_of, __m512* t) {
+  constexpr int CH = NR >= 4 ? 2 : (NR == 1 ? 4 : 2);
+  for (int r = 0; r < NR; ++r) {
+    __m512 chain[CH];
+    for (int c = 0; c < CH; ++c) chain[c] = _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j)
+      chain[j % CH] = _mm512_dpbf16_ps(chain[j % CH], w[j], (__m512bh)_mm512_set1_epi32(x[r][pair_of(j)]));
+    for (int c = 0; c < CH; ++c) t[r] = _mm512_add_ps(t[r], chain[c]);
+  }
+}
+
+template <typename Scale> constexpr int q4_record() { return 256 + 2 * 16 * int(sizeof(Scale)); }
+template <typename Scale> constexpr int q8_record() { return 512 + 16 * int(sizeof(Scale)); }
+
+// One group of 16 output rows against NR rows of x (x pairs per row, sx: block sums of x per row)
+template <int NR, typename Scale>
+AVX512 void q4_group(const uint8_t* rec, int64_t blocks, const uint32_t* const* x, const float* const* sx, __m512* acc) {
+  constexpr int RECORD = q4_record<Scale>();
+  const __m512i table = _mm512_load_si512(tables().unsigned_nibble);
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += RECORD) {
+    for (int line = 0; line < RECORD; line += 64) read_ahead(rec + line);
+    __m512bh w[16];
+    for (int c = 0; c < 4; ++c) decode4(_mm512_loadu_si512(rec + 64 * c), table, table, w + 4 * c);
+    const uint32_t* xb[NR];
+    __m512 t[NR];
+    for (int r = 0; r < NR; ++r) xb[r] = x[r] + 16 * b, t[r] = _mm512_setzero_ps();
+    dots<NR>(w, xb, [](int j) { return j; }, t);  // vector c, pair k: columns 8c + 2k, +1
+    __m512 d = load_scales(reinterpret_cast<const Scale*>(rec + 256));
+    __m512 m = load_scales(reinterpret_cast<const Scale*>(rec + 256 + 16 * sizeof(Scale)));
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r][b]), _mm512_fmadd_ps(t[r], d, acc[r]));
+  }
+}
+
+template <int NR, typename Scale>
+AVX512 void q8_group(const uint8_t* rec, int64_t blocks, const uint32_t* const* x, const float* const*, __m512* acc) {
+  constexpr int RECORD = q8_record<Scale>();
+  const __m512i low = _mm512_load_si512(tables().unsigned_nibble);
+  const __m512i high = _mm512_load_si512(tables().signed_high);
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += RECORD) {
+    for (int line = 0; line < RECORD; line += 64) read_ahead(rec + line);
+    __m512 t[NR];
+    for (int r = 0; r < NR; ++r) t[r] = _mm512_setzero_ps();
+    for (int half = 0; half < 2; ++half) {  // 16 code vectors of pairs at a time: the registers hold 32
+      __m512bh w[16];
+      for (int c = 0; c < 4; ++c) decode4(_mm512_loadu_si512(rec + 64 * (4 * half + c)), low, high, w + 4 * c);
+      const uint32_t* xb[NR];
+      for (int r = 0; r < NR; ++r) xb[r] = x[r] + 16 * b + 8 * half;
+      // vector c, pairs 0, 1: columns 4c, 4c + 1 (low, high nibbles); pairs 2, 3: 4c + 2, 4c + 3
+      dots<NR>(w, xb, [](int j) { return 2 * (j / 4) + (j % 4) / 2; }, t);
+    }
+    __m512 d = load_scales(reinterpret_cast<const Scale*>(rec + 512));
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(t[r], d, acc[r]);
+  }
+}
+
+using GroupFn = void (*)(const uint8_t*, int64_t, const uint32_t* const*, const float* const*, __m512*);
+
+template <template <int, typename> class Pick, typename Scale>
+GroupFn group_fn(int rows) {
+  switch (rows) {
+    case 1: return Pick<1, Scale>::fn;
+    case 2: return Pick<2, Scale>::fn;
+    case 3: return Pick<3, Scale>::fn;
+    default: return Pick<4, Scale>::fn;
+  }
+}
+template <int NR, typename Scale> struct Q4 { static constexpr GroupFn fn = q4_group<NR, Scale>; };
+template <int NR, typename Scale> struct Q8 { static constexpr GroupFn fn = q8_group<NR, Scale>; };
+
+// sums of x over each block of 32 columns, float32: the min's factor
+AVX512 void block_sums(const bf16* x, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b)
+    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(widen(x + 32 * b), widen(x + 32 * b + 16)));
+}
+
+AVX512 void store_group(__m512 acc, bf16* out, int64_t valid) {
+  if (valid >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(acc));
+    return;
+  }
+  alignas(32) bf16 all[16];  // a last partial group: its padding rows stay out of the output
+  _mm256_store_si256(reinterpret_cast<__m256i*>(all), to_bf16(acc));
+  std::memcpy(out, all, valid * sizeof(bf16));
+}
+
+AVX512 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int64_t out_features, bool q4) {
+  auto x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 (rows, K)");
+  TORCH_CHECK(records.dim() == 3 && records.scalar_type() == at::kByte && records.is_contiguous(),
+              "records must be uint8 (groups, blocks, record bytes)");
+  int64_t R = x.size(0), K = x.size(1), groups = records.size(0), blocks = records.size(1), bytes = records.size(2);
+  TORCH_CHECK(K == 32 * blocks && out_features <= 16 * groups && out_features > 16 * (groups - 1), "shapes disagree");
+  bool f32 = bytes == (q4 ? q4_record<float>() : q8_record<float>());
+  TORCH_CHECK(f32 || bytes == (q4 ? q4_record<uint16_t>() : q8_record<uint16_t>()), "unknown record size");
+  std::vector<float> sums(q4 ? R * blocks : 0);
+  for (int64_t r = 0; q4 && r < R; ++r) block_sums(data(x) + r * K, blocks, sums.data() + r * blocks);
+  auto out = at::empty({R, out_features}, x.options());
+  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
+  const uint8_t* rec = records.const_data_ptr<uint8_t>();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = rec + g * blocks * bytes;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      int nr = int(std::min<int64_t>(4, R - r0));
+      const uint32_t* xs[4];
+      const float* sx[4];
+      for (int r = 0; r < nr; ++r) {
+        xs[r] = reinterpret_cast<const uint32_t*>(data(x) + (r0 + r) * K);
+        sx[r] = q4 ? sums.data() + (r0 + r) * blocks : nullptr;
+      }
+      GroupFn fn = q4 ? (f32 ? group_fn<Q4, float>(nr) : group_fn<Q4, uint16_t>(nr))
+                      : (f32 ? group_fn<Q8, float>(nr) : group_fn<Q8, uint16_t>(nr));
+      __m512 acc[4];
+      fn(group, blocks, xs, sx, acc);
+      for (int r = 0; r < nr; ++r) store_group(acc[r], o + (r0 + r) * out_features + 16 * g, out_features - 16 * g);
+    }
+  }
+  return out;
+}
+
+at::Tensor q4_product(const at::Tensor& x, const at::Tensor& records, int64_t n) { return product(x, records, n, true); }
+at::Tensor q8_product(const at::Tensor& x, const at::Tensor& records, int64_t n) { return product(x, records, n, false); }
+
+}  // namespace
+
+TORCH_LIBRARY(triforce_stored, m) {
+  m.def("q4_product(Tensor x, Tensor records, int out_features) -> Tensor");
+  m.def("q8_product(Tensor x, Tensor records, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triforce_stored, CPU, m) {
+  m.impl("q4_product", &q4_product);
+  m.impl("q8_product", &q8_product);
+}
+"""
+
+
+@torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
+def available() -> bool:
+    """Whether the kernels build here and compute the dequantized product on a small case (any
+    failure keeps torch's int4 kernel). Asked once per process."""
+    return cpu_kernels.built("triforce_stored_bf16", SOURCE, _register_shapes, _self_check)
+
+
+def _self_check() -> bool:
+    """Both kernels against the dequantized weights on 3 rows of a 24 x 64 matrix (a partial group)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    d = (torch.rand(24, 2, generator=g) * 0.01).half().float()
+    m = -(torch.rand(24, 2, generator=g) * 0.08).half().float()
+    q4 = torch.randint(0, 16, (24, 64), generator=g)  # float16 scales here; float32 ones in the tests
+    q8 = torch.randint(-128, 128, (24, 64), generator=g)
+    ok = True
+    for out, codes, mins in ((q4_product(x, q4_records(q4, d, m), 24), q4, m),
+                             (q8_product(x, q8_records(q8, d), 24), q8, torch.zeros_like(m))):
+        w = codes.view(24, 2, BLOCK).double() * d.double()[..., None] + mins.double()[..., None]
+        want = x.double() @ w.view(24, 64).t()
+        ok = ok and bool(((out.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all())
+    return ok
+
+
+def _register_shapes() -> None:
+    """What the ops return, for torch.compile's tracing (which runs no kernel)."""
+    for op in ("q4_product", "q8_product"):
+        @torch.library.register_fake(f"triforce_stored::{op}")
+        def _(x, records, out_features):
+            return x.new_empty(x.shape[0], out_features)
+
+
+def q4_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (R, K) bf16 . W^T for W = d * q + m as Q4 records -> (R, out_features) bf16."""
+    return torch.ops.triforce_stored.q4_product(x, records, out_features)
+
+
+def q8_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (R, K) bf16 . W^T for W = d * q as Q8 records -> (R, out_features) bf16."""
+    return torch.ops.triforce_stored.q8_product(x, records, out_features)
+
+
+# --- the records (layout in the module docstring) ----------------------------------------------------
+
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    """(N, ...) -> (N padded to 16, ...) with zero rows: a last partial group computes zeros."""
+    pad = -t.shape[0] % LANES
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def _scale_bytes(scales: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Scales (N, B) as (G, B, 16 * size) bytes of `dtype`: float16 for the GGUF's own f16 d and m
+    (half the bytes; they must be f16 values), float32 for Q4_K's d * sc and dmin * m."""
+    out = []
+    for s in scales:
+        if dtype == torch.float16 and s.device.type != "meta" and not torch.equal(s.half().float(), s.float()):
+            raise ValueError("float16 records need scales that are float16 values")
+        s = _groups(s.float()).to(dtype)
+        g = s.shape[0] // LANES
+        out.append(s.view(g, LANES, -1).transpose(1, 2).contiguous().view(torch.uint8).view(g, s.shape[1], -1))
+    return out
+
+
+def q4_records(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Codes q (N, K) in [0, 15], d and m (N, K / 32) -> Q4 records (G, K / 32, 320 or 384) uint8."""
+    q = _groups(q.to(torch.int64))  # shifts past bit 31 below: no overflow
+    g, blocks = q.shape[0] // LANES, q.shape[1] // BLOCK
+    # column 8c + 2k + e of a block goes to vector c, bit 4k + 16e of its lane's word
+    shifts = 4 * torch.arange(4, device=q.device)[:, None] + 16 * torch.arange(2, device=q.device)[None, :]
+    words = (q.view(g, LANES, blocks, 4, 4, 2) << shifts).sum((-1, -2)).to(torch.uint32)
+    codes = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(g, blocks, 256)
+    d_bytes, m_bytes = _scale_bytes([d, m], scale_dtype)
+    return torch.cat([codes, d_bytes, m_bytes], dim=-1).contiguous()
+
+
+def q8_records(q: torch.Tensor, d: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Codes q (N, K) in [-128, 127], d (N, K / 32) -> Q8 records (G, K / 32, 544 or 576) uint8."""
+    q = _groups(q.to(torch.int8))
+    g, blocks = q.shape[0] // LANES, q.shape[1] // BLOCK
+    # columns 4c + (0, 2, 1, 3) of a block are the bytes of vector c's lane word
+    words = q.view(g, LANES, blocks, 8, 4)[..., [0, 2, 1, 3]]
+    codes = words.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).view(g, blocks, 512)
+    (d_bytes,) = _scale_bytes([d], scale_dtype)
+    return torch.cat([codes, d_bytes], dim=-1).contiguous()
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether these kernels take this input: bfloat16 on CPU, a few rows, the kernels built."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * x.shape[-1]
+            and available())
