@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from triforce.model import stored_bf16
 from triforce.model.errors import UserError
 from triforce.model.gguf_blocks import (Blocks, GgufCheckpoint, decode_q4_1, decode_q4_k, decode_q5_0, decode_q8_0,
                                         encode_blocks, encode_q4_k)
@@ -163,6 +164,12 @@ def test_bf16_kernel_stays_within_bf16_rounding(kind):
 CFG = dict(hidden=64, heads=4, kv_heads=2, inter=96, layers=2, vocab=48)
 
 
+def bf16_codes() -> str:
+    """How bfloat16 computes with the blocks here: our kernels over them where they build
+    (stored_bf16), else torch's int4 kernel."""
+    return "blocks" if stored_bf16.available() else "int4"
+
+
 def write_tiny_gguf(path, seed=0, head_kind="Q8_0", dense=False, kind="Q4_1", cfg=CFG, kept_dense=(), kinds=None,
                     arch="llama"):
     """A tiny llama GGUF: `kind` matrices, a `head_kind` token embedding tied to the head (SmolLM2's
@@ -272,7 +279,7 @@ def test_weights_summary_counts_the_stored_bytes(tiny_gguf):
     path, written = tiny_gguf
     stored = weights_summary(load_gguf_model(path, torch.bfloat16, stored=True))
     dense = weights_summary(load_gguf_model(path, torch.bfloat16, stored=False))
-    assert stored["format"] == "gguf Q4_1+Q8_0 packed int4" and dense["format"] == "bfloat16"
+    assert stored["format"] == f"gguf Q4_1+Q8_0 packed {bf16_codes()}" and dense["format"] == "bfloat16"
     weights = sum(b.q.numel() for b in written.values() if isinstance(b, Blocks))
     assert dense["bytes_per_pass"] >= 2 * weights
     # codes: 4 bits per weight (8 for Q8_0's two halves); bf16 scale and zero per 32
@@ -336,7 +343,7 @@ def test_q4_k_model_is_packed_where_it_can_be_and_equals_the_dense_gguf_model(ti
         b = dense(ids, FullCache(dense.kv_shape(), 64))
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     summary = weights_summary(load_gguf_model(path, torch.bfloat16, stored=True))
-    assert summary["format"] == "gguf Q4_K packed int4, bfloat16 dense"
+    assert summary["format"] == f"gguf Q4_K packed {bf16_codes()}, bfloat16 dense"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -385,7 +392,7 @@ def test_q5_0_model_stacks_q5_0_with_q8_0_and_equals_the_dense_gguf_model(tiny_q
         b = dense(ids, FullCache(dense.kv_shape(), 64))
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     summary = weights_summary(load_gguf_model(path, torch.bfloat16, stored=True))
-    assert summary["format"] == "gguf Q4_K+Q5_0+Q8_0 packed int4, bfloat16 dense"
+    assert summary["format"] == f"gguf Q4_K+Q5_0+Q8_0 packed {bf16_codes()}, bfloat16 dense"
 
 
 def test_auto_counts_a_mostly_q4_k_gguf_as_stored(tiny_q4_k_gguf, monkeypatch):

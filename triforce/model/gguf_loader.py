@@ -317,14 +317,15 @@ def _load_block(src: _Source, block: nn.Module, hf: str) -> None:
 
 
 def weights_summary(model: nn.Module) -> dict:
-    """What the statistics show about the weights: their format ("gguf Q4_1+Q8_0 packed int4" or the
+    """What the statistics show about the weights: their format ("gguf Q4_1+Q8_0 packed blocks" or the
     dense dtype) and the bytes of weights one decode pass reads (matrices, one embedding row, norms)."""
     packed, kinds, dense_bytes, dense_dtypes, codes = 0, set(), 0, set(), set()
     for module in model.modules():
         if isinstance(module, PackedLinear):
             packed += module.bytes_per_row_pass()
             kinds.update(module.kind.split("+"))  # a stack of kinds (Q5_0+Q8_0) counts each
-            codes.add("int8" if isinstance(module, ByteCodesLinear) else "int4")
+            codes.add("int8" if isinstance(module, ByteCodesLinear)
+                      else "blocks" if module.block_kernel is not None else "int4")  # stored_bf16's records
         elif isinstance(module, nn.Linear):
             dense_bytes += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
             dense_dtypes.add(str(module.weight.dtype).removeprefix("torch."))
