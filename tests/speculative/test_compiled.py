@@ -93,3 +93,26 @@ def test_a_compiled_pass_writes_its_slots_in_place(tmp_path):
     layer = cache.k[0].numel()
     assert code and not any(f"<static_cast<int64_t>({layer}L)" in c for c in code)
     assert cache.length == 61
+
+
+def test_a_watched_pass_runs_eagerly(tiny):
+    """The prefill's progress bar hooks every layer (cli.progress.watch_layers); a drafter's window
+    prefill inside it made passes small enough to be compiled, and the compiled graph traced the
+    hooks (`generate --compile` failed on time.perf_counter). Watched passes run eagerly."""
+    from triforce.cli.progress import watch_layers
+
+    class Advance:
+        layers = 0
+
+        def layer(self, *args):
+            self.layers += 1
+
+    ids = [3 + (i * 7) % 60 for i in range(300)]
+    cfg = GenerationConfig(max_new_tokens=8, budget=64, chunk_size=8, gamma1=2, gamma2=3, draft_window=16,
+                           sink_tokens=4)
+    gen = Generator(Models(tiny.target, None), cfg, "triforce", max_len=400)  # the target drafts for itself
+    enable_compiled_passes(gen)
+    advance = Advance()
+    with watch_layers(gen.full.model, advance):
+        gen.prefill(ids)
+    assert advance.layers > 0 and len(gen.generate()) == 8

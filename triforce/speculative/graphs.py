@@ -114,7 +114,7 @@ class GraphedModel:
     def __call__(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         T = tokens.shape[0]
         graphs = tokens.is_cuda and not self.eager_static
-        if T > self.max_tokens or not (graphs or self.eager_static):
+        if T > self.max_tokens or not (graphs or self.eager_static) or watched(self.model):
             return self.model(tokens, cache, last_only)
         positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
         key = (id(cache), T, last_only)
@@ -162,6 +162,15 @@ class GraphedModel:
     def _capture(self, c: _Captured, last_only: bool) -> None:
         self.captures += 1
         c.graph, c.logits = capture_graph(lambda: c.forward(c.tokens), [self.model], c.tokens.device, self.warmup)
+
+
+def watched(model) -> bool:
+    """Hooks on the model or its first layer (cli.progress.watch_layers, during a prefill): a compiled
+    graph would trace them (an error under fullgraph) and a CUDA graph would skip them, so such a
+    pass runs eagerly. The first layer stands for all (the watch hooks every layer)."""
+    layers = getattr(model, "layers", None)
+    hooked = [model] + (list(layers[0].modules()) if layers else [])
+    return any(m._forward_pre_hooks or m._forward_hooks for m in hooked)
 
 
 def capture_graph(run, models, device: torch.device, warmup: int = 2):
