@@ -105,6 +105,30 @@ def test_masked_attention_through_the_kernels_equals_bmm(T, heads, monkeypatch):
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * BF16_ULP, atol=2e-3)
 
 
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 3, 5])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+def test_eager_attention_through_the_kernels(T, heads, monkeypatch):
+    """Eager decode and verification (`attend`, a few bf16 queries, 64-wide heads) take the kernels
+    over a layer's view of a longer cache, and match attention written out in float64 as the GEMM
+    path does; a token-major layer (the offloaded store's) keeps the GEMMs."""
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(T * 10 + Hq)
+    q = torch.randn(T, Hq, 64, generator=g).bfloat16()
+    keys, values = (torch.randn(Hkv, 400, 64, generator=g).bfloat16()[:, :333] for _ in range(2))
+    calls = []
+    kernel = decode_attention.mix
+    monkeypatch.setattr(decode_attention, "mix", lambda probs, v: calls.append(probs.shape) or kernel(probs, v))
+    got = attention.attend(q, keys, values)
+    assert calls == [(Hkv, Hq // Hkv * T, 333)]
+    reference_out = reference(q, keys, values)
+    assert (got.double() - reference_out).abs().max().item() < TOLERANCE[torch.bfloat16]
+    token_major = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (keys, values)]
+    gemm = attention.attend(q, *token_major)
+    assert len(calls) == 1
+    assert (gemm.double() - reference_out).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
 def test_decode_kernels_serve_bf16_only():
     """float32 compute over a 16-bit cache (kv_dtype.py) and float32 caches keep bmm: the kernels
     take bfloat16 rows only, which float32 queries are not."""
@@ -142,9 +166,12 @@ def test_compiled_bf16_decoding_through_the_kernels_keeps_the_eager_tokens(tmp_p
     compiled = Generator(models, cfg, "autoregressive", max_len=200)
     enable_compiled_passes(compiled)
     compiled.prefill(ids)
+    with pytest.MonkeyPatch.context() as patch:  # eager attends through torch's GEMMs
+        patch.setattr(decode_attention, "serves", lambda rows, cache: False)
+        want = eager.generate()
     calls = []
     kernel = decode_attention.scores
     with pytest.MonkeyPatch.context() as patch:  # count the kernel's calls while the graph is traced
         patch.setattr(decode_attention, "scores", lambda rows, keys: calls.append(rows.shape) or kernel(rows, keys))
-        assert compiled.generate() == eager.generate()
+        assert compiled.generate() == want
     assert calls  # the graph called the kernel (traced through the counting wrapper)

@@ -59,12 +59,33 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     future = _future_mask(T, rep, q.device) if T > 1 else None
     if q.is_cuda:  # cuBLAS takes the cache's strided batch of heads as it is
         out = _attend_rows(grouped, keys.to(q.dtype), values.to(q.dtype), future)
+    elif decode_attention.serves(grouped, keys) and _tokens_contiguous(keys) and _tokens_contiguous(values):
+        # bf16 on avx512_bf16: one kernel per product, every head
+        out = _attend_kernels(grouped, keys, values, future)
     else:  # CPU bf16 bmm copies a strided batch (a layer's whole live KV, every pass); 2-D GEMMs do not
         # a 16-bit cache under float32 compute (model/kv_dtype.py) widens one head at a time: the
         # float32 copy stays in cache while the GEMM reads it, memory sees only the 16-bit read
         out = torch.stack([_attend_rows(grouped[h], keys[h].to(q.dtype), values[h].to(q.dtype), future)
                            for h in range(Hkv)])
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+def _attend_kernels(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future) -> torch.Tensor:
+    """`_attend_rows` for all KV heads at once through decode_attention's kernels, which read the
+    cache at memory speed where bf16 bmm and per-head addmm read it at a third of that (SmolLM2 at 4K,
+    eager: docs/results/2026-11-23-cpu-bytes.md, session 12). Scaled after the product: a power of two
+    for head_dim 64, so exact there."""
+    S, D = keys.shape[-2:]
+    scores = decode_attention.scores(rows, keys).mul_(D ** -0.5)
+    if future is not None:
+        scores[..., S - future.shape[1]:].masked_fill_(future, float("-inf"))
+    return decode_attention.mix(torch.softmax(scores, dim=-1), values)
+
+
+def _tokens_contiguous(cache: torch.Tensor) -> bool:
+    """Each head's tokens one after another (the kernels' layout); the offloaded store's token-major
+    layer is not."""
+    return cache.stride(2) == 1 and cache.stride(1) == cache.shape[2]
 
 
 def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
