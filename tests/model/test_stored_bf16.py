@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from triforce.model import cpu_kernels, stored_bf16
 from triforce.model.gguf_blocks import Blocks
-from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, concat_blocks, packed_from_blocks
+from triforce.model.stored import concat_blocks, packed_from_blocks
 
 from .test_stored import random_blocks
 
@@ -38,7 +38,7 @@ def blocks_of(kind: str, rows: int, cols: int, seed: int) -> Blocks:
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_0+Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 37])
 @pytest.mark.parametrize("shape", [(40, 96), (64, 512), (16, 1536)])  # 40: a partial group of 16
 def test_kernel_is_the_float64_dequantized_product(kind, rows, shape):
     n, k = shape
@@ -86,8 +86,8 @@ def test_one_hot_rows_read_every_weight_back(kind):
 def test_many_rows_and_other_dtypes_keep_the_dense_product():
     blocks = random_blocks("Q4_1", 48, 96, seed=4)
     layer = packed_from_blocks(blocks, torch.bfloat16)
-    x = torch.randn(PACKED_KERNEL_MAX_ROWS + 1, 96).bfloat16()
-    assert not stored_bf16.serves(x) and stored_bf16.serves(x[:PACKED_KERNEL_MAX_ROWS])
+    x = torch.randn(stored_bf16.MAX_ROWS + 1, 96).bfloat16()
+    assert not stored_bf16.serves(x) and stored_bf16.serves(x[:stored_bf16.MAX_ROWS])
     assert torch.equal(layer(x), F.linear(x, layer.dequantized(torch.bfloat16)))
     assert not stored_bf16.serves(x[:1].float())
 
