@@ -66,11 +66,12 @@ def close_to_one_rounding(got, want):
 
 @needs_kernels
 @pytest.mark.parametrize("D", decode_attention.HEAD_DIMS)
-@pytest.mark.parametrize("R", [1, 3, 5, 16])
-@pytest.mark.parametrize("S", [1, 15, 16, 37, 300])
+@pytest.mark.parametrize("R", [1, 3, 4, 5, 6, 7, 16, 17, 21, 42, 64])
+@pytest.mark.parametrize("S", [1, 2, 15, 16, 17, 33, 64, 65, 300, 1000])
 def test_decode_kernels_compute_bmm(D, R, S):
     """Each kernel is bmm but for its sums' order, over a layer's view of a longer cache (the head
-    stride is the capacity's, not S) and for key counts that are and are not multiples of 16."""
+    stride is the capacity's, not S): the few-row loops (scores up to 3 rows, values up to one tile)
+    and the tiled ones with part tiles, key counts odd and even, in and past whole blocks."""
     g = torch.Generator().manual_seed(R * 1000 + S + D)
     rows = torch.randn(3, R, D, generator=g).bfloat16()
     keys = torch.randn(3, S + 21, D, generator=g).bfloat16()[:, :S]
@@ -81,17 +82,18 @@ def test_decode_kernels_compute_bmm(D, R, S):
 
 
 @needs_kernels
-@pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("heads", [(9, 3), (6, 2), (4, 4)])
-def test_masked_attention_through_the_kernels_equals_bmm(T, heads, monkeypatch):
+@pytest.mark.parametrize("T", [1, 4, 7])
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((6, 2), 64), ((4, 4), 64), ((12, 2), 128)])
+def test_masked_attention_through_the_kernels_equals_bmm(T, heads, D, monkeypatch):
     """attend_masked (the compiled static view's attention) takes the kernels for a bf16 cache and
     gives what its bmm path gives: GQA groups, stale slots under the mask (filled with large values
-    they must not leak), several new tokens each seeing up to its own slot."""
+    they must not leak), several new tokens each seeing up to its own slot. T=7 is a verification
+    pass of gamma 6: 21 rows per KV head for SmolLM2's 3 heads per KV head, 42 for Qwen's 6."""
     Hq, Hkv = heads
     g = torch.Generator().manual_seed(T * 10 + Hq)
     capacity, used = 333, 200
-    q = torch.randn(T, Hq, 64, generator=g).bfloat16()
-    keys, values = (torch.randn(Hkv, capacity, 64, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(T, Hq, D, generator=g).bfloat16()
+    keys, values = (torch.randn(Hkv, capacity, D, generator=g).bfloat16() for _ in range(2))
     keys[:, used + T:] *= 1000  # stale slots: nothing of them may reach the output
     values[:, used + T:] = 1e4
     slots = torch.arange(used, used + T)
@@ -127,6 +129,31 @@ def test_eager_attention_through_the_kernels(T, heads, monkeypatch):
     gemm = attention.attend(q, *token_major)
     assert len(calls) == 1
     assert (gemm.double() - reference_out).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", decode_attention.HEAD_DIMS)
+@pytest.mark.parametrize("R", [1, 5, 6, 7, 21])
+@pytest.mark.parametrize("S", [1, 63, 64, 65, 130])
+def test_value_kernel_keeps_each_dim_and_key_in_place(D, R, S):
+    """The value kernel pairs keys in each 32-bit lane and its interleave moves dims within a chunk:
+    with integer values (exact in bf16), row r weighting one key alone must give that key's value row
+    exactly, dim for dim. Fails if the dims' order were not undone, or a weight met the wrong key of
+    its pair (the odd last key, alone in its pair, among them)."""
+    values = (torch.arange(D).repeat(S, 1) + 128 * (torch.arange(S)[:, None] % 2)).bfloat16()[None]
+    values = values.expand(2, S, D).contiguous()
+    picked = [(r * 7) % S for r in range(R - 1)] + [S - 1]
+    probs = torch.zeros(2, R, S)
+    probs[:, torch.arange(R), torch.tensor(picked)] = 1.0
+    got = decode_attention.mix(probs.bfloat16(), values)
+    assert torch.equal(got, values[:, picked])
+
+
+@needs_kernels
+def test_decode_kernels_serve_any_number_of_rows():
+    cache = torch.zeros(3, 10, 64, dtype=torch.bfloat16)
+    for rows in (1, 16, 17, 42, 300):
+        assert decode_attention.serves(torch.zeros(3, rows, 64, dtype=torch.bfloat16), cache)
 
 
 def test_decode_kernels_serve_bf16_only():

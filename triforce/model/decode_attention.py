@@ -1,14 +1,34 @@
-"""The two products of attention at a few queries, on CPU in bfloat16, as kernels that read the
-cache at memory speed: scores = rows . keys^T and out = probs . values, for each KV head, where rows
-are the few query rows that share the head (GQA's group times the new tokens).
+"""The two products of attention at a few to a few dozen queries, on CPU in bfloat16, as kernels
+that read each cached key and value once per call: scores = rows . keys^T and out = probs . values,
+for each KV head, where rows are the query rows that share the head (GQA's group times the new
+tokens: 21 in a SmolLM2 verification pass of gamma 6, 42 for Qwen2.5-1.5B's 6 heads per KV head).
 
 torch's bf16 `bmm` at 3 rows against SmolLM2's cache (one thread, 30 layers, 4K keys) took 3.8 ms for
-the scores and 3.3 for the values against 1.06 ms to read either once at memory speed; these take
-2.6 and 1.1 (docs/results/2026-11-23-cpu-bytes.md, session 11). inductor's own loops for the same
-products (multiply and sum) took 5.3-6.2 ms, and torch's CPU flash kernel 8x the floor. Each is what
-`bmm` computes but for the order of its float32 sums: the products of bfloat16 values are exact in
-float32 (the scores through avx512_bf16's pair dot products, the values widened to float32), and each
-output is rounded once to bfloat16, to nearest even, as bmm rounds its own.
+the scores and 3.3 for the values against 1.06 ms to read either once at memory speed (docs/results/
+2026-11-23-cpu-bytes.md, session 11); inductor's own loops for the same products took 5.3-6.2 ms, and
+torch's CPU flash kernel 8x the floor. At one row the products wait on memory; each further row adds
+multiply-adds, and past 6-12 rows (64-wide heads, 16K keys) they bound the time. Both products use
+avx512_bf16's pair dot products (32 multiply-adds per instruction):
+
+- scores, up to 3 rows: each key's products with a row in one vector, summed across lanes: the least
+  work per key, at the memory floor. More rows: a block of 64 keys is transposed once, so that a
+  vector holds one pair of dims of 16 keys; tiles of 6 rows broadcast their own pairs against it (no
+  sums across lanes, each key vector loaded once per tile).
+- values: keys s, s+1 interleaved in each 32-bit lane against the broadcast weights (p[r,s], p[r,s+1]).
+  Up to one tile of rows (6 at head_dim 64, 3 at 128) every sum stays in registers through all keys;
+  more rows: a block of keys is interleaved once into a buffer and every tile of rows runs over it,
+  the sums waiting in a float32 buffer between blocks.
+
+SmolLM2 (30 layers x 3 KV heads, head_dim 64) at 16K keys, both products, one thread, medians
+(bench/attention_rows.py): 1 row 9.0-9.5 ms as before (about the memory floor), 6 rows 8.5 (the
+earlier kernels 13.8), 21 rows 20.3 (the multiply-add floor 15.1; bmm 42.0, the earlier 16-row
+kernels in two calls 41.0), 42 rows 36.7 (floor 30.2; bmm 61.7).
+
+Each is what `bmm` computes but for the order of its float32 sums: the products of bfloat16 values are
+exact in float32, and each output is rounded once to bfloat16, to nearest even, as bmm rounds its own.
+One difference: the pair dot product reads denormal inputs as 0 and flushes denormal float32 results
+to 0, so a bf16 weight, value, query or key below 2^-126 (about 1.2e-38) counts as 0 (bmm keeps it),
+and so does a score whose float32 sum falls below it.
 
 The C++ is built at first use with torch's extension builder (a C++ compiler, as --compile needs
 anyway; cached on disk) and registered as torch ops, which torch.compile calls as opaque kernels.
@@ -21,10 +41,58 @@ import torch
 from . import cpu_kernels
 
 HEAD_DIMS = (64, 128)  # the kernels are unrolled for these
-MAX_ROWS = 16  # the value kernel keeps 4 rows in registers and reads the values again per 4 rows
 
 SOURCE = r"""
+#include <algorithm>
+#include <vector>
+
 namespace {
+
+inline int32_t word(const bf16* p) {  // two bf16 (p[0] in the low half) as one 32-bit lane
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// Software prefetch of a head's cache for the many-row kernels, spread over the steps of the loops
+// that work on the block before: a block's lines asked for all at once, as it starts, stalled on the
+// memory system's queue and left the products waiting (SmolLM2 at 16K keys, 42 rows: the values
+// product 23 ms, 17 spread).
+constexpr int64_t MARGIN = 4096;  // bytes asked for beyond the next block
+
+struct Ahead {
+  const char* next;  // the first line not yet asked for
+  const char* end;   // the head's last byte + 1
+  const char* limit;  // how far the current block's steps go
+  int64_t per_step;
+
+  // block_bytes read per block of `steps` steps. The first two blocks and MARGIN are asked for at
+  // once; from there each block's steps ask for one block (without this head start the lines asked
+  // for trailed the reads whenever the steps asked for no more than a block: 13-18 rows took twice
+  // as long as 19 in the values product).
+  Ahead(const bf16* from, const bf16* to, int64_t block_bytes, int64_t steps)
+      : next(reinterpret_cast<const char*>(from)), end(reinterpret_cast<const char*>(to)),
+        per_step((block_bytes / 64 + steps - 1) / steps) {
+    aim(from, block_bytes);
+    for (; next < limit; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+
+  // the block at `block` is read now: ask for the one after it and MARGIN beyond
+  void aim(const bf16* block, int64_t block_bytes) {
+    limit = std::min(end, reinterpret_cast<const char*>(block) + 2 * block_bytes + MARGIN);
+  }
+
+  inline void step() {
+    for (int64_t i = 0; i < per_step && next < limit; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
+// ======== scores = rows . keys^T ========
+
+// ---- a few rows: each key's dot product in a vector, then sums across lanes ----
+// At 1-3 rows the product waits on memory either way; this does the least work per key (no
+// transposition) and reads at the memory floor.
+constexpr int FEW_SCORE_ROWS = 3;
 
 // 16 vectors of partial sums -> one vector of their 16 totals. Lane l holds the total of vector
 // SLOT[l]: the dot product of key j is accumulated in vector SLOT[j] (SLOT is its own inverse),
@@ -45,10 +113,9 @@ AVX512 inline __m512 totals16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// out[r, s] = rows[r] . keys[s] for one head: R rows and S keys of D = 32 * NC bf16 values
-template <int NC>
-AVX512 void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, bf16* out) {
-  constexpr int D = 32 * NC;
+template <int D>
+AVX512 void scores_few(const bf16* rows, int64_t R, const bf16* keys, int64_t S, bf16* out) {
+  constexpr int NC = D / 32;
   int64_t full = S - S % 16;
   for (int64_t s0 = 0; s0 < full; s0 += 16) {
     const bf16* k = keys + s0 * D;
@@ -77,37 +144,261 @@ AVX512 void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S
   }
 }
 
-// out[r] = sum_s probs[r, s] * values[s] for NR rows of one head, D = 16 * NC
-template <int NC, int NR>
-AVX512 void mix_rows(const bf16* probs, int64_t S, const bf16* values, bf16* out) {
-  constexpr int D = 16 * NC;
-  __m512 acc[NR][NC];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < S; ++s) {
-    __m512 v[NC];
-    for (int c = 0; c < NC; c += 2) read_ahead(values + s * D + 16 * c);  // 64-byte lines
-    for (int c = 0; c < NC; ++c) v[c] = widen(values + s * D + 16 * c);
-    for (int r = 0; r < NR; ++r) {
-      __m512 p = _mm512_set1_ps(scalar_f32(probs[r * S + s]));
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
-    }
+// ---- more rows: keys in lanes ----
+// A block of 64 keys is transposed once into kt: word p (dims 2p, 2p+1) of 16 keys per vector, key j
+// in lane j. A row's scores against 16 keys are then a chain of D/2 pair dot products with the row's
+// word p broadcast: no sums across lanes, each key vector loaded once for a tile of rows, and the
+// block reused by every row before the next block is read.
+constexpr int SBLOCK = 64;  // keys per transposed block: 4 vectors of 16 scores per row
+constexpr int SROWS = 6;    // rows per tile: 6 x 4 accumulators, 4 key vectors, 1 broadcast
+
+// rows x[j] (16 words each) -> x[i] holds word i of every row, row j in lane j
+AVX512 inline void transpose16(__m512i* x) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(x[2 * k], x[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(x[2 * k], x[2 * k + 1]);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * D + 16 * c), to_bf16(acc[r][c]));
+  for (int k = 0; k < 4; ++k) {  // u[4k+m], 128-bit lane L: word 4L+m of rows 4k..4k+3
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // 4x4 transpose of the 128-bit lanes of u[m], u[4+m], u[8+m], u[12+m]
+    __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    x[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    x[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    x[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    x[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
 }
 
-template <int NC>
-void mix_head(const bf16* probs, int64_t R, int64_t S, const bf16* values, bf16* out) {
-  constexpr int D = 16 * NC;
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) mix_rows<NC, 4>(probs + r * S, S, values, out + r * D);
-  switch (R - r) {
-    case 3: mix_rows<NC, 3>(probs + r * S, S, values, out + r * D); break;
-    case 2: mix_rows<NC, 2>(probs + r * S, S, values, out + r * D); break;
-    case 1: mix_rows<NC, 1>(probs + r * S, S, values, out + r * D); break;
+// n <= 64 keys -> kt[(b * D/2 + p) * 32 ...]: word p of keys 16b..16b+15 (keys past n read as 0)
+template <int D, bool FULL>
+AVX512 void transpose_block(const bf16* keys, int64_t n, bf16* kt, Ahead& ahead) {
+  for (int b = 0; b < SBLOCK / 16; ++b)
+    for (int c = 0; c < D / 32; ++c) {
+      ahead.step();
+      __m512i x[16];
+      for (int j = 0; j < 16; ++j) {
+        int64_t s = 16 * b + j;
+        x[j] = FULL || s < n ? _mm512_loadu_si512(keys + s * D + 32 * c) : _mm512_setzero_si512();
+      }
+      transpose16(x);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (b * D / 2 + 16 * c + i) * 32, x[i]);
+    }
+}
+
+// 32 scores (two vectors of 16 keys) as bf16, the first n of them. Rounded to nearest even by the
+// instruction, which flushes float32 denormals to 0 as the pair dot products already did.
+AVX512 inline void store32(bf16* out, __m512 lo, __m512 hi, int64_t n) {
+  __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  if (n >= 32) _mm512_storeu_si512(out, v);
+  else if (n > 0) _mm512_mask_storeu_epi16(out, (__mmask32)((1u << n) - 1), v);
+}
+
+// out[r, 0:n] = rows[r] . keys[0:n] for RT rows against one transposed block
+template <int D, int RT>
+AVX512 void scores_tile(const bf16* rows, const bf16* kt, int64_t n, bf16* out, int64_t S, Ahead& ahead) {
+  constexpr int NB = SBLOCK / 16;
+  __m512 acc[RT][NB];
+  for (int r = 0; r < RT; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  // the lines these rows' scores of the next block go to, into L2: the rows lie S apart, their lines
+  // in the same few sets of L1, and waiting for each line at its store cost 10% at 42 rows
+  for (int r = 0; r < RT; ++r)
+    for (int b = 0; b < NB; b += 2)
+      _mm_prefetch(reinterpret_cast<const char*>(out + r * S + SBLOCK + 16 * b), _MM_HINT_T1);
+  for (int p = 0; p < D / 2; ++p) {
+    ahead.step();
+    __m512bh k[NB];
+    for (int b = 0; b < NB; ++b) k[b] = (__m512bh)_mm512_load_si512(kt + (b * D / 2 + p) * 32);
+    for (int r = 0; r < RT; ++r) {
+      __m512bh q = (__m512bh)_mm512_set1_epi32(word(rows + r * D + 2 * p));
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], q, k[b]);
+    }
   }
+  for (int r = 0; r < RT; ++r)
+    for (int b = 0; b < NB; b += 2) store32(out + r * S + 16 * b, acc[r][b], acc[r][b + 1], n - 16 * b);
+}
+
+template <int D>
+AVX512 void scores_many(const bf16* rows, int64_t R, const bf16* keys, int64_t S, bf16* out) {
+  alignas(64) bf16 kt[SBLOCK * D];
+  constexpr int64_t bytes = SBLOCK * D * 2;
+  Ahead ahead(keys, keys + S * D, bytes, SBLOCK / 16 * D / 32 + (R + SROWS - 1) / SROWS * D / 2);
+  for (int64_t s0 = 0; s0 < S; s0 += SBLOCK) {
+    int64_t n = std::min<int64_t>(SBLOCK, S - s0);
+    ahead.aim(keys + s0 * D, bytes);
+    if (n == SBLOCK) transpose_block<D, true>(keys + s0 * D, n, kt, ahead);
+    else transpose_block<D, false>(keys + s0 * D, n, kt, ahead);
+    int64_t r = 0;
+    for (; r + SROWS <= R; r += SROWS) scores_tile<D, SROWS>(rows + r * D, kt, n, out + r * S + s0, S, ahead);
+    const bf16* q = rows + r * D;
+    bf16* o = out + r * S + s0;
+    switch (R - r) {
+      case 5: scores_tile<D, 5>(q, kt, n, o, S, ahead); break;
+      case 4: scores_tile<D, 4>(q, kt, n, o, S, ahead); break;
+      case 3: scores_tile<D, 3>(q, kt, n, o, S, ahead); break;
+      case 2: scores_tile<D, 2>(q, kt, n, o, S, ahead); break;
+      case 1: scores_tile<D, 1>(q, kt, n, o, S, ahead); break;
+    }
+  }
+}
+
+// ======== out = probs . values: key pairs in each 32-bit lane ========
+// Keys s, s+1 interleaved (unpacklo/hi_epi16 of their value rows) give 16 lanes of (v[s,d], v[s+1,d]),
+// one pair dot product each with the broadcast (p[r,s], p[r,s+1]). unpacklo/hi work within 128-bit
+// lanes, so the 32 dims of a 64-byte chunk land in a fixed order: lo holds dims 0-3, 8-11, 16-19,
+// 24-27 and hi the other 16; the sums are put back in order once, when stored. An odd last key is
+// paired with a zero value and a zero weight.
+
+// 32 dims of one row from their lo and hi sums, back in order, rounded to bf16
+AVX512 inline void store_pairs(bf16* out, __m512 lo, __m512 hi) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(_mm512_permutex2var_ps(lo, first, hi)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), to_bf16(_mm512_permutex2var_ps(lo, second, hi)));
+}
+
+// ---- a few rows (one tile): every row's sums in registers through all keys ----
+// acc[r] += keys s, s+1 of RT rows (PAIR false: key s alone, the last)
+template <int D, int RT, bool PAIR>
+AVX512 inline void mix_pair(const bf16* probs, int64_t S, const bf16* values, int64_t s, __m512 (*acc)[D / 16]) {
+  const bf16* a = values + s * D;
+  for (int line = 0; line < 2 * D; line += 32) read_ahead(a + line);  // 64-byte lines
+  __m512bh v[D / 16];
+  for (int c = 0; c < D / 32; ++c) {
+    __m512i x = _mm512_loadu_si512(a + 32 * c);
+    __m512i y = PAIR ? _mm512_loadu_si512(a + D + 32 * c) : _mm512_setzero_si512();
+    v[2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+    v[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+  }
+  for (int r = 0; r < RT; ++r) {
+    __m512bh p = (__m512bh)_mm512_set1_epi32(PAIR ? word(probs + r * S + s) : probs[r * S + s]);
+    for (int k = 0; k < D / 16; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, v[k]);
+  }
+}
+
+template <int D, int RT>
+AVX512 void mix_few(const bf16* probs, int64_t S, const bf16* values, bf16* out) {
+  __m512 acc[RT][D / 16];
+  for (int r = 0; r < RT; ++r)
+    for (int k = 0; k < D / 16; ++k) acc[r][k] = _mm512_setzero_ps();
+  int64_t s = 0;
+  for (; s + 2 <= S; s += 2) mix_pair<D, RT, true>(probs, S, values, s, acc);
+  if (s < S) mix_pair<D, RT, false>(probs, S, values, s, acc);
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < D / 32; ++c) store_pairs(out + r * D + 32 * c, acc[r][2 * c], acc[r][2 * c + 1]);
+}
+
+// ---- more rows: a block of keys interleaved once, then every tile of rows runs over it ----
+// The rows' sums wait in a float32 buffer between blocks, so each value is read from memory once.
+template <int D>
+constexpr int MBLOCK = 4096 / D;  // keys per interleaved block: 8 KB (16 KB ran 3-6% slower at 21 rows)
+constexpr int MROWS = 6;  // rows per tile: 6 x 4 accumulators (64 dims), 4 value vectors, 1 broadcast
+
+template <int D>
+AVX512 void interleave_block(const bf16* values, int64_t n, bf16* pk, Ahead& ahead) {
+  for (int64_t t = 0; 2 * t < n; ++t) {
+    ahead.step();
+    const bf16* a = values + 2 * t * D;
+    bool pair = 2 * t + 1 < n;
+    for (int c = 0; c < D / 32; ++c) {
+      __m512i x = _mm512_loadu_si512(a + 32 * c);
+      __m512i y = pair ? _mm512_loadu_si512(a + D + 32 * c) : _mm512_setzero_si512();
+      _mm512_store_si512(pk + (t * D / 16 + 2 * c) * 32, _mm512_unpacklo_epi16(x, y));
+      _mm512_store_si512(pk + (t * D / 16 + 2 * c + 1) * 32, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// acc[r] += probs[r, 0:n] . values[0:n] for RT rows and the dc-th 64 dims, the sums in pair order
+template <int D, int RT>
+AVX512 void mix_tile(const bf16* probs, int64_t S, const bf16* pk, int64_t n, float* acc_rows, int dc, Ahead& ahead) {
+  __m512 acc[RT][4];
+  for (int r = 0; r < RT; ++r)
+    for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(acc_rows + r * D + 64 * dc + 16 * k);
+  // these rows' weights of the next block, into L2: past a few dozen rows they come from memory
+  if (dc == 0)
+    for (int r = 0; r < RT; ++r)
+      for (int s = 0; s < MBLOCK<D>; s += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(probs + r * S + MBLOCK<D> + s), _MM_HINT_T1);
+  int64_t pairs = n / 2;
+  for (int64_t t = 0; t < pairs; ++t) {
+    ahead.step();
+    __m512bh v[4];
+    for (int k = 0; k < 4; ++k) v[k] = (__m512bh)_mm512_load_si512(pk + (t * D / 16 + 4 * dc + k) * 32);
+    for (int r = 0; r < RT; ++r) {
+      __m512bh p = (__m512bh)_mm512_set1_epi32(word(probs + r * S + 2 * t));
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, v[k]);
+    }
+  }
+  if (n % 2) {  // the last key alone: its partner's value and weight are 0
+    __m512bh v[4];
+    for (int k = 0; k < 4; ++k) v[k] = (__m512bh)_mm512_load_si512(pk + (pairs * D / 16 + 4 * dc + k) * 32);
+    for (int r = 0; r < RT; ++r) {
+      __m512bh p = (__m512bh)_mm512_set1_epi32(probs[r * S + n - 1]);
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, v[k]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc_rows + r * D + 64 * dc + 16 * k, acc[r][k]);
+}
+
+template <int D>
+AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values, bf16* out, float* acc) {
+  constexpr int KB = MBLOCK<D>;
+  alignas(64) bf16 pk[KB * D];
+  for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
+  constexpr int64_t bytes = KB * D * 2;
+  Ahead ahead(values, values + S * D, bytes, KB / 2 + (R + MROWS - 1) / MROWS * KB / 2 * D / 64);
+  for (int64_t s0 = 0; s0 < S; s0 += KB) {
+    int64_t n = std::min<int64_t>(KB, S - s0);
+    ahead.aim(values + s0 * D, bytes);
+    interleave_block<D>(values + s0 * D, n, pk, ahead);
+    for (int dc = 0; dc < D / 64; ++dc) {
+      int64_t r = 0;
+      for (; r + MROWS <= R; r += MROWS) mix_tile<D, MROWS>(probs + r * S + s0, S, pk, n, acc + r * D, dc, ahead);
+      const bf16* p = probs + r * S + s0;
+      float* a = acc + r * D;
+      switch (R - r) {
+        case 5: mix_tile<D, 5>(p, S, pk, n, a, dc, ahead); break;
+        case 4: mix_tile<D, 4>(p, S, pk, n, a, dc, ahead); break;
+        case 3: mix_tile<D, 3>(p, S, pk, n, a, dc, ahead); break;
+        case 2: mix_tile<D, 2>(p, S, pk, n, a, dc, ahead); break;
+        case 1: mix_tile<D, 1>(p, S, pk, n, a, dc, ahead); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int c = 0; c < D / 32; ++c)
+      store_pairs(out + r * D + 32 * c, _mm512_loadu_ps(acc + r * D + 32 * c),
+                  _mm512_loadu_ps(acc + r * D + 32 * c + 16));
+}
+
+template <int D>
+void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, bf16* out) {
+  if (R <= FEW_SCORE_ROWS) scores_few<D>(rows, R, keys, S, out);
+  else scores_many<D>(rows, R, keys, S, out);
+}
+
+template <int D>
+void mix_head(const bf16* probs, int64_t R, int64_t S, const bf16* values, bf16* out, float* acc) {
+  // up to one tile, the sums stay in registers: 6 rows x 4 vectors at 64 dims, 3 x 8 at 128
+  switch (R) {
+    case 1: return mix_few<D, 1>(probs, S, values, out);
+    case 2: return mix_few<D, 2>(probs, S, values, out);
+    case 3: return mix_few<D, 3>(probs, S, values, out);
+  }
+  if constexpr (D == 64) switch (R) {
+    case 4: return mix_few<D, 4>(probs, S, values, out);
+    case 5: return mix_few<D, 5>(probs, S, values, out);
+    case 6: return mix_few<D, 6>(probs, S, values, out);
+  }
+  mix_many<D>(probs, R, S, values, out, acc);
 }
 
 void check_cache(const at::Tensor& cache, int64_t heads) {
@@ -121,13 +412,13 @@ at::Tensor scores(const at::Tensor& rows_in, const at::Tensor& keys) {
   int64_t H = rows.size(0), R = rows.size(1), D = rows.size(2), S = keys.size(1);
   check_cache(keys, H);
   TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && keys.size(2) == D, "rows must be bfloat16 (heads, rows, head_dim)");
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
   auto out = at::empty({H, R, S}, rows.options());
   auto* o = reinterpret_cast<bf16*>(out.data_ptr());
   for (int64_t h = 0; h < H; ++h) {
     const bf16* k = data(keys) + h * keys.stride(0);
-    if (D == 64) scores_head<2>(data(rows) + h * R * D, R, k, S, o + h * R * S);
-    else if (D == 128) scores_head<4>(data(rows) + h * R * D, R, k, S, o + h * R * S);
-    else TORCH_CHECK(false, "head_dim must be 64 or 128");
+    if (D == 64) scores_head<64>(data(rows) + h * R * D, R, k, S, o + h * R * S);
+    else scores_head<128>(data(rows) + h * R * D, R, k, S, o + h * R * S);
   }
   return out;
 }
@@ -137,13 +428,14 @@ at::Tensor mix(const at::Tensor& probs_in, const at::Tensor& values) {
   int64_t H = probs.size(0), R = probs.size(1), S = probs.size(2), D = values.size(2);
   check_cache(values, H);
   TORCH_CHECK(probs.scalar_type() == at::kBFloat16 && values.size(1) == S, "probs must be bfloat16 (heads, rows, tokens)");
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
   auto out = at::empty({H, R, D}, probs.options());
   auto* o = reinterpret_cast<bf16*>(out.data_ptr());
+  std::vector<float> acc(R * D);
   for (int64_t h = 0; h < H; ++h) {
     const bf16* v = data(values) + h * values.stride(0);
-    if (D == 64) mix_head<4>(data(probs) + h * R * S, R, S, v, o + h * R * D);
-    else if (D == 128) mix_head<8>(data(probs) + h * R * S, R, S, v, o + h * R * D);
-    else TORCH_CHECK(false, "head_dim must be 64 or 128");
+    if (D == 64) mix_head<64>(data(probs) + h * R * S, R, S, v, o + h * R * D, acc.data());
+    else mix_head<128>(data(probs) + h * R * S, R, S, v, o + h * R * D, acc.data());
   }
   return out;
 }
@@ -170,13 +462,17 @@ def available() -> bool:
 
 
 def _self_check() -> bool:
+    """3 rows take the few-row loops, 9 the tiled ones; 77 keys end in a part block and an odd key."""
     g = torch.Generator().manual_seed(0)
-    rows = torch.randn(2, 3, 64, generator=g).bfloat16()
-    cache = torch.randn(2, 37, 64, generator=g).bfloat16()
-    probs = torch.rand(2, 3, 37, generator=g).bfloat16()
-    return (torch.allclose(scores(rows, cache).float(), torch.bmm(rows, cache.transpose(1, 2)).float(),
-                           rtol=1e-2, atol=1e-2)
-            and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2))
+    cache = torch.randn(2, 77, 64, generator=g).bfloat16()
+    for n in (3, 9):
+        rows = torch.randn(2, n, 64, generator=g).bfloat16()
+        probs = torch.rand(2, n, 77, generator=g).bfloat16()
+        if not (torch.allclose(scores(rows, cache).float(), torch.bmm(rows, cache.transpose(1, 2)).float(),
+                               rtol=1e-2, atol=1e-2)
+                and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2)):
+            return False
+    return True
 
 
 def _register_shapes() -> None:
@@ -191,9 +487,10 @@ def _register_shapes() -> None:
 
 
 def serves(rows: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether these kernels take rows (H, R, D) against a cache layer (H, S, D)."""
+    """Whether these kernels take rows (H, R, D) against a cache layer (H, S, D): any number of rows
+    (at 64-512 rows, 64-wide heads, 16K keys, they took 0.55-0.95x the time of bmm)."""
     return (rows.device.type == "cpu" and rows.dtype == cache.dtype == torch.bfloat16
-            and rows.shape[1] <= MAX_ROWS and rows.shape[-1] in HEAD_DIMS and available())
+            and rows.shape[-1] in HEAD_DIMS and available())
 
 
 def scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
