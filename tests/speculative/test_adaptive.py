@@ -52,6 +52,18 @@ def test_pass_costs_fit_a_line_between_and_beyond_measured_sizes():
     assert c.estimate("draft", 3) == 0.05  # one size measured: the same cost for any size
 
 
+def test_a_first_pass_at_a_size_stands_only_until_a_second():
+    """The first pass at a token count is often a warm-up: the second replaces it, later ones move
+    the average."""
+    c = PassCosts(decay=0.7)
+    c.record("verify", 4, 0.073)
+    assert c.estimate("verify", 4) == 0.073
+    c.record("verify", 4, 0.040)
+    assert c.estimate("verify", 4) == 0.040
+    c.record("verify", 4, 0.050)
+    assert c.estimate("verify", 4) == pytest.approx(0.7 * 0.040 + 0.3 * 0.050)
+
+
 def test_seconds_per_token_matches_the_cost_model():
     from bench.costmodel import ms_per_token_from_passes
 
@@ -173,6 +185,17 @@ def test_every_mode_is_tried_first_then_probed_ever_less_often():
     probes = [i for i, m in enumerate(modes) if m == "triforce"]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert modes.count("autoregressive") > 560
+    # a probe runs the mode at its longest gamma: its widest verification's cost stays fresh
+    probe_plans = set()
+    chooser2 = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=3)
+    for _ in range(4):
+        chooser2.choose()
+    teach(chooser2, verify=lambda n: 0.5 * n, accept={"draft->middle": 0.2, "draft->verify": 0.2, "middle->verify": 0.2})
+    for _ in range(200):
+        plan = chooser2.choose()
+        if plan.mode != "autoregressive":
+            probe_plans.add(plan)
+    assert probe_plans == {Plan("triforce", 3), Plan("retrieval", 3), Plan("speculative", 3)}
     # each probe doubles the interval before the next (counted from the pass after the probe)
     assert gaps == [2 * Chooser.PROBE_EVERY * 2 ** i + 1 for i in range(len(gaps))] and gaps[-1] == Chooser.PROBE_MAX + 1
 

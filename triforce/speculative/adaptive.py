@@ -18,7 +18,7 @@ the configured one, then plain decoding, then the rest, at their longest gamma (
 tells too little of the acceptance: SmolLM2 at 16K, exploring so, settled on plain decoding, 8.6
 tokens/s against 11.6 for retrieval), skipping a mode whose best case (every proposal accepted, its
 untimed passes free) already loses to what is measured - and a mode left unused for its probe interval is
-run once to refresh what it knows, which bounds what a stale estimate can cost; the interval
+run once, at its longest gamma, to refresh what it knows, which bounds what a stale estimate can cost; the interval
 doubles (PROBE_EVERY up to PROBE_MAX passes) each time a mode is probed and starts again from
 PROBE_EVERY when the mode wins, so a mode that keeps losing costs ever less.
 """
@@ -99,15 +99,22 @@ def max_gamma(mode: str, gamma1: int, gamma2: int) -> int:
 class PassCosts:
     """Seconds per pass of each level as a function of the tokens it feeds: a moving average per
     token count, and between or beyond measured counts the least-squares line through them (a pass
-    reads the weights once and attends once per token fed, so cost grows about linearly)."""
+    reads the weights once and attends once per token fed, so cost grows about linearly).
+
+    The first pass at a count stands only until a second one comes: it is often a warm-up (the
+    first 4-token verification after a 16K prefill took 73 ms, later ones about 40), and averaged
+    in it kept retrieval at gamma 3 priced above plain decoding for a whole run."""
 
     def __init__(self, decay: float = 0.7):
         self.decay = decay
         self.mean: dict[str, dict[int, float]] = defaultdict(dict)
+        self.samples: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
     def record(self, level: str, tokens: int, seconds: float) -> None:
+        seen = self.samples[level][tokens]
         old = self.mean[level].get(tokens)
-        self.mean[level][tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.mean[level][tokens] = seconds if seen < 2 else self.decay * old + (1 - self.decay) * seconds
+        self.samples[level][tokens] = seen + 1
 
     def known(self, level: str) -> bool:
         return bool(self.mean.get(level))
@@ -233,6 +240,12 @@ class Chooser:
         measured = [p for p in plans if self.known(p.mode)]
         return min(measured, key=self.predict) if measured else max(plans, key=lambda p: p.gamma)
 
+    def longest(self, mode: str) -> Plan:
+        """A probe's plan: the mode at its longest gamma, which tells the most of its acceptance and
+        refreshes the cost of the widest verification, the one a plan never run again would keep
+        stale (the shorter ones are priced from the line through it and what does run)."""
+        return max((p for p in self.plans if p.mode == mode), key=lambda p: p.gamma)
+
     def choose(self) -> Plan:
         plan = self._choose()
         if self.agree is not None:
@@ -253,7 +266,7 @@ class Chooser:
         for mode in self.modes:
             if self.passes - self.last_used[mode] >= self.interval[mode]:
                 self.interval[mode] = min(2 * self.interval[mode], self.PROBE_MAX)
-                return self.best(mode)
+                return self.longest(mode)
         plan = self.best()
         if self.current is not None and plan.mode != self.current:
             staying = self.best(self.current)
