@@ -81,7 +81,7 @@ def test_a_compiled_pass_writes_its_slots_in_place(tmp_path):
     from torch._inductor.utils import run_and_get_code
 
     from triforce.speculative.caches import FullCache
-    from triforce.speculative.graphs import GraphedModel
+    from triforce.speculative.graphs import HOT_AFTER, GraphedModel
 
     save_tiny(tmp_path, seed=1, vocab=64, layers=3, hidden=32, heads=2, kv_heads=1, inter=48)
     model = load_model(tmp_path, torch.float32)
@@ -89,10 +89,34 @@ def test_a_compiled_pass_writes_its_slots_in_place(tmp_path):
     model(torch.arange(60) + 3, cache)
     compiled = GraphedModel(model, eager_static=True, compiled=True)
     torch._dynamo.reset()
+    for _ in range(HOT_AFTER - 1):  # eager until the width is hot
+        compiled(torch.tensor([5]), cache)
     _, code = run_and_get_code(lambda: compiled(torch.tensor([5]), cache))
     layer = cache.k[0].numel()
     assert code and not any(f"<static_cast<int64_t>({layer}L)" in c for c in code)
-    assert cache.length == 61
+    assert cache.length == 60 + HOT_AFTER
+
+
+def test_a_width_is_compiled_only_once_it_recurs(tmp_path):
+    """A level catching up on tokens it did not see feeds widths that may never recur: they run
+    eagerly; a width called HOT_AFTER times is compiled once (and that call is not a cost sample),
+    and every pass gives the eager model's logits (within float32-level rounding)."""
+    from triforce.speculative.caches import FullCache
+    from triforce.speculative.graphs import HOT_AFTER, GraphedModel
+
+    save_tiny(tmp_path, seed=2, vocab=64, layers=2, hidden=32, heads=2, kv_heads=1, inter=48)
+    model = load_model(tmp_path, torch.float64)
+    cache, reference = (FullCache(model.kv_shape(), 200, prefill_chunk=64) for _ in range(2))
+    for c in (cache, reference):
+        model(torch.arange(40) + 3, c)
+    compiled = GraphedModel(model, eager_static=True, compiled=True)
+    torch._dynamo.reset()
+    widths = [7, 5] + [1] * (HOT_AFTER + 2)
+    for i, T in enumerate(widths):
+        tokens = (torch.arange(T) * 3 + i) % 60 + 3
+        torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
+    assert compiled.captures == 1 and [key[1] for key in compiled.views] == [1]
+    assert compiled.replays == 3  # the third call of width 1 and the two after it
 
 
 def test_a_watched_pass_runs_eagerly(tiny):

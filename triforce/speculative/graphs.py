@@ -36,6 +36,10 @@ from triforce.model.attention import attend_masked
 from .caches import FullCache
 
 MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) run eagerly
+# A pass width becomes a graph on its third call; until then it runs eagerly. A level catching up on
+# tokens it did not see (the adaptive chooser ran another mode meanwhile) feeds widths that may never
+# recur, and compiling each (seconds on CPU) made `--compile` with a drafter 20x slower than eager.
+HOT_AFTER = 3
 
 
 class StaticView:
@@ -106,7 +110,8 @@ class GraphedModel:
         self.captured: dict[tuple, _Captured] = {}
         self.views: dict[tuple, StaticView] = {}
         self.replays = 0
-        self.captures = 0  # Level.run leaves a pass that captured out of the adaptive chooser's timings
+        self.captures = 0  # Level.run leaves a pass that captured (or compiled) out of the chooser's timings
+        self.calls: dict[tuple, int] = {}  # per (cache, width, last_only): calls so far, until it is hot
 
     def __getattr__(self, name):  # embed, rotary, kv_shape, ... of the wrapped model
         return getattr(self.__dict__["model"], name)
@@ -116,8 +121,12 @@ class GraphedModel:
         graphs = tokens.is_cuda and not self.eager_static
         if T > self.max_tokens or not (graphs or self.eager_static) or watched(self.model):
             return self.model(tokens, cache, last_only)
-        positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
         key = (id(cache), T, last_only)
+        if key not in self.views:
+            self.calls[key] = self.calls.get(key, 0) + 1
+            if self.calls[key] < HOT_AFTER:
+                return self.model(tokens, cache, last_only)
+        positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
         if key not in self.views:
             self.views[key] = StaticView(cache, T)
         view = self.views[key]
@@ -136,6 +145,8 @@ class GraphedModel:
         if c is None:
             c = self.captured[key] = _Captured(view, torch.zeros_like(tokens))
             c.forward = self._forward(view, last_only)
+            if self.compiled and not (tokens.is_cuda and not self.eager_static):
+                self.captures += 1  # this call compiles: not a sample of the pass's cost
         c.tokens.copy_(tokens)
         if not tokens.is_cuda or self.eager_static:
             logits = c.forward(c.tokens)
