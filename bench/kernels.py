@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triforce.model.config import ModelConfig
 from triforce.model.transformer import Transformer
 from triforce.speculative import GenerationConfig, Generator, Models
-from triforce.speculative.graphs import enable_compiled_passes, enable_cuda_graphs
+from triforce.speculative.graphs import HOT_AFTER, enable_compiled_passes, enable_cuda_graphs
 from triforce.speculative.modes import LEVELS
 
 # ops that build a causal mask: attention.py's `_future_mask` (triu of ones, repeated per group) and
@@ -109,8 +109,10 @@ def run_pass(gen: Generator, level: str, T: int) -> None:
 
 
 def eager_ops(gen: Generator, level: str, T: int) -> Counter:
-    """aten ops of one steady-state pass, by name (the first pass builds per-shape caches)."""
-    run_pass(gen, level, T)
+    """aten ops of one steady-state pass, by name (the first passes build per-shape caches; a width
+    runs through its static view from its HOT_AFTER-th call)."""
+    for _ in range(HOT_AFTER):
+        run_pass(gen, level, T)
     with OpCounter() as ops:
         run_pass(gen, level, T)
     return ops.names
@@ -139,7 +141,7 @@ def graph_kernels(gen: Generator, level: str, T: int) -> Counter:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = gen.device.type == "cuda"
-    for _ in range(3):  # compile (and on CUDA warm up and capture) before counting
+    for _ in range(HOT_AFTER + 2):  # eager until hot, then compile (on CUDA warm up and capture)
         run_pass(gen, level, T)
     if cuda:
         torch.cuda.synchronize()
