@@ -36,9 +36,10 @@ from triforce.model.attention import attend_masked
 from .caches import FullCache
 
 MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) run eagerly
-# A pass width becomes a graph on its third call; until then it runs eagerly. A level catching up on
-# tokens it did not see (the adaptive chooser ran another mode meanwhile) feeds widths that may never
-# recur, and compiling each (seconds on CPU) made `--compile` with a drafter 20x slower than eager.
+# Compiled (--compile), a pass width becomes a graph on its third call, eager until then: a level
+# catching up on tokens it did not see (the adaptive chooser ran another mode meanwhile) feeds widths
+# that may never recur, and compiling each (seconds) made `--compile` with a drafter 20x slower than
+# eager. CUDA graphs alone capture at once (milliseconds).
 HOT_AFTER = 3
 
 
@@ -122,7 +123,7 @@ class GraphedModel:
         if T > self.max_tokens or not (graphs or self.eager_static) or watched(self.model):
             return self.model(tokens, cache, last_only)
         key = (id(cache), T, last_only)
-        if key not in self.views:
+        if self.compiled and key not in self.views:  # compiling costs seconds; capturing, milliseconds
             self.calls[key] = self.calls.get(key, 0) + 1
             if self.calls[key] < HOT_AFTER:
                 return self.model(tokens, cache, last_only)
