@@ -44,6 +44,10 @@ from .gguf_blocks import BLOCK, FORMS, Blocks
 # the packed kernel is a matrix-vector product per row (bf16, 1 thread, 3072x576: 0.05 ms for 1 row,
 # 1.36 ms for 64 against 0.53 dense).
 PACKED_KERNEL_MAX_ROWS = 16
+# float32's compiled product (stored_f32) runs one row at a time, each reading the codes again: past
+# this many rows dequantizing once is cheaper (SmolLM2's 121 matrices, one thread: 1 row 20 ms
+# against 156 dense, 16 rows 282 against 200, 64 rows 1,120 against 319)
+F32_ROWS_MAX = 8
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N divisible by 16
 
@@ -99,7 +103,7 @@ class PackedLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
             return out.reshape(*x.shape[:-1], self.out_features)
-        if self.compiled_f32 and x.dtype == torch.float32 and rows.shape[0] <= PACKED_KERNEL_MAX_ROWS and x.device.type == "cpu":
+        if self.compiled_f32 and x.dtype == torch.float32 and rows.shape[0] <= F32_ROWS_MAX and x.device.type == "cpu":
             out = stored_f32.rows_product(torch.cat([rows] * self.repeat, dim=-1), self.codes, self.scales, self.zeros)
             if self.bias is not None:
                 out = out + self.bias
