@@ -54,6 +54,8 @@ SETUPS = {
     "bf16": Setup("bf16", torch.bfloat16, "dequantized", None),  # today's default with avx512_bf16
     "bf16-stored": Setup("bf16-stored", torch.bfloat16, "stored", None),
     "f32-stored": Setup("f32-stored", torch.float32, "stored", None),  # exact; compiled product (stored_f32)
+    # an avx2-only CPU's defaults: float32 compute on the stored blocks, a float16 KV cache
+    "f32-stored-kv16": Setup("f32-stored-kv16", torch.float32, "stored", torch.float16),
     "bf16-stored-compiled": Setup("bf16-stored-compiled", torch.bfloat16, "stored", None, compiled=True),
     # the graphs' host code as C++ (inductor's cpp_wrapper): faster steps, much longer first compiles
     "bf16-stored-compiled-cpp": Setup("bf16-stored-compiled-cpp", torch.bfloat16, "stored", None, compiled=True,
@@ -183,11 +185,11 @@ def run_context(args, context: int, bandwidth: float) -> list[dict]:
 
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; floor = bytes / bandwidth",
-             f"{'ctx':>6} {'setup':<12} {'mode':<14} {'MB/tok':>7} {'floor':>6} {'ms/tok':>7} "
+             f"{'ctx':>6} {'setup':<15} {'mode':<14} {'MB/tok':>7} {'floor':>6} {'ms/tok':>7} "
              f"{'xfloor':>6} {'tok/s':>6} {'=AR':>4}",
              "-" * 79]
     for r in rows:
-        lines.append(f"{r['context']:>6} {r['setup']:<12} {r['mode']:<14} {r['bytes_per_token'] / 1e6:>7.0f} "
+        lines.append(f"{r['context']:>6} {r['setup']:<15} {r['mode']:<14} {r['bytes_per_token'] / 1e6:>7.0f} "
                      f"{r['floor_ms_per_token']:>6.1f} {r['ms_per_token']:>7.1f} {r['x_floor']:>6.2f} "
                      f"{r['tokens_per_second']:>6.1f} {'yes' if r['same_as_autoregressive'] else 'NO':>4}")
     return "\n".join(lines)

@@ -111,6 +111,6 @@ def test_float16_records_refuse_scales_that_are_not_float16():
 def test_kernels_build_where_the_cpu_has_avx512_bf16():
     """Where they can build they must build and pass their own check: a kernel that computes wrongly
     would otherwise turn into a silent fallback to the int4 kernel (and the tests above into skips)."""
-    if not cpu_kernels.cpu_has_isa() or shutil.which("c++") is None:
+    if not cpu_kernels.cpu_has() or shutil.which("c++") is None:
         pytest.skip("no avx512_bf16 or no C++ compiler")
     assert stored_bf16.available()

@@ -11,7 +11,8 @@ from typing import Callable
 
 from .kv_dtype import cpu_flags
 
-ISA = {"avx512f", "avx512bw", "avx512_bf16"}  # what every kernel's code is compiled for
+AVX512_BF16 = frozenset({"avx512f", "avx512bw", "avx512_bf16"})  # the bfloat16 kernels' code
+AVX2 = frozenset({"avx2", "fma", "f16c"})  # the float32 kernels' code
 
 PRELUDE = r"""
 #include <torch/library.h>
@@ -24,6 +25,7 @@ namespace {
 
 using bf16 = uint16_t;
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // f32 -> bf16, round to nearest even (what torch's bmm and GEMMs do to their float32 sums); NaN stays NaN
 AVX512 inline __m256i to_bf16(__m512 x) {
@@ -65,19 +67,21 @@ const bf16* data(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.c
 """
 
 
-def cpu_has_isa() -> bool:
-    return ISA <= cpu_flags()
+def cpu_has(isa: frozenset[str] = AVX512_BF16) -> bool:
+    return isa <= cpu_flags()
 
 
 _BUILT: dict[str, bool] = {}
 
 
-def built(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool]) -> bool:
+def built(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
+          isa: frozenset[str] = AVX512_BF16) -> bool:
     """Whether the extension `name` (PRELUDE + source) builds here, its ops' shapes registered for
-    torch.compile, and passes `check` on a small case. Built and checked once per process: any
-    failure (no compiler, no headers, an ISA the build rejects, a wrong result) means False."""
+    torch.compile, and passes `check` on a small case; only where the CPU has `isa`, the
+    instructions its code uses. Built and checked once per process: any failure (no compiler, no
+    headers, an ISA the build rejects, a wrong result) means False."""
     if name not in _BUILT:
-        _BUILT[name] = cpu_has_isa() and _build_and_check(name, source, register_shapes, check)
+        _BUILT[name] = cpu_has(isa) and _build_and_check(name, source, register_shapes, check)
     return _BUILT[name]
 
 

@@ -10,6 +10,7 @@ Half precision compute keeps its own dtype for the cache, as before.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -19,15 +20,26 @@ KV_DTYPES = {"auto": None, "same": None, "bfloat16": torch.bfloat16, "float16": 
              "float32": torch.float32}
 
 
-def cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), less those torch was told not to use: with
+    ATEN_CPU_CAPABILITY=avx2 (or default) the avx512 and AMX flags are dropped, so that one variable
+    makes this machine an avx2-only one for torch's kernels, inductor's code and ours alike (the
+    dtype default, which kernels build)."""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return set()
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+        flags = {f for f in flags if not f.startswith(("avx", "fma", "f16c"))}
+    return frozenset(flags)
 
 
 def sixteen_bit_kind() -> torch.dtype:

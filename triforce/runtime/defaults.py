@@ -46,13 +46,11 @@ def auto_threads() -> tuple[int, str]:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether the CPU computes bfloat16 natively (avx512_bf16 or AMX), from /proc/cpuinfo's flags."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    words = set(flags.split())
-    return "avx512_bf16" in words or "amx_bf16" in words
+    """Whether the CPU computes bfloat16 natively (avx512_bf16 or AMX), from /proc/cpuinfo's flags
+    (ATEN_CPU_CAPABILITY=avx2 hides them: model/kv_dtype.cpu_flags)."""
+    from triforce.model.kv_dtype import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def auto_dtype(device: str) -> str:
