@@ -125,10 +125,11 @@ def test_packed_layer_is_the_gguf_matrix(kind, rows):
 
 def test_q8_0_splits_into_int4_halves_exactly(monkeypatch):
     """-128 and 127, the extremes, and every code between survive the hi/lo split (the int4 kernel's
-    float32 path: where the compiled product does not build; with it, Q8_0 is bytes, tested beside)."""
-    from triforce.model import stored_f32
+    float32 path: where neither stored_avx2's kernels nor the compiled product build)."""
+    from triforce.model import stored_avx2, stored_f32
 
     monkeypatch.setattr(stored_f32, "available", lambda: False)
+    monkeypatch.setattr(stored_avx2, "available", lambda: False)
     q = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(8, 32)
     blocks = Blocks("Q8_0", q, torch.full((8, 1), 0.5), None)
     layer = packed_from_blocks(blocks, torch.float32)
@@ -289,12 +290,14 @@ def test_weights_summary_counts_the_stored_bytes(tiny_gguf):
 @pytest.mark.parametrize("mode,use_drafter", [("speculative", True), ("retrieval", False), ("triforce", True),
                                               ("triforce", False)])
 def test_greedy_on_stored_weights_is_autoregressive(tiny_gguf, mode, use_drafter):
-    from triforce.model import stored_f32
+    from triforce.model import stored_avx2, stored_f32
 
     path, _ = tiny_gguf
     target = load_gguf_model(path, torch.float32, stored=True)
     drafter = load_gguf_model(path, torch.float32, stored=False)
-    assert target.layers[0].mlp.w13.compiled_f32 == stored_f32.available()  # float32's route where it builds
+    w13 = target.layers[0].mlp.w13  # float32's route where it builds: the avx2 kernels, else compiled
+    assert (w13.block_kernel == "q4") == stored_avx2.available()
+    assert w13.compiled_f32 == (not stored_avx2.available() and stored_f32.available())
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))

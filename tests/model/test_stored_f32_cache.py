@@ -1,13 +1,14 @@
-"""Float32 on stored weights through the compiled one-row product (stored_f32), and the packed model
-kept beside the GGUF (stored_cache). Tiny random GGUFs built in memory, as in test_stored.py (whose
-float32 greedy tests of every mode run on the compiled product where it builds)."""
+"""Float32 on stored weights through the compiled one-row product (stored_f32: where stored_avx2's
+kernels do not build, so these tests turn those off), and the packed model kept beside the GGUF
+(stored_cache). Tiny random GGUFs built in memory, as in test_stored.py (whose float32 greedy tests
+of every mode run on the float32 route that builds here)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from triforce.model import gguf_loader, stored_cache, stored_f32
+from triforce.model import gguf_loader, stored_avx2, stored_cache, stored_f32
 from triforce.model.gguf_loader import load_gguf_model
 from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, concat_blocks, packed_from_blocks
 from triforce.speculative.caches import FullCache
@@ -17,9 +18,15 @@ from .test_stored import Q4K_CFG, Q6K_STAND_INS, random_blocks, write_tiny_gguf
 needs_compiled = pytest.mark.skipif(not stored_f32.available(), reason="torch.compile builds no kernel here")
 
 
+@pytest.fixture
+def compiled_route(monkeypatch):
+    """float32 layers as on a CPU where stored_avx2's kernels do not build: the compiled product."""
+    monkeypatch.setattr(stored_avx2, "available", lambda: False)
+
+
 @needs_compiled
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_0+Q8_0"])
-def test_compiled_float32_product_is_the_gguf_matrix_and_each_row_its_own(kind):
+def test_compiled_float32_product_is_the_gguf_matrix_and_each_row_its_own(kind, compiled_route):
     """x . W^T against float64 with W from the blocks: float32 accumulation order only; a row of a
     batch is bit for bit that row alone (a verification pass computes what one-token passes do)."""
     cols = 512 if kind == "Q4_K" else 96
@@ -39,7 +46,7 @@ def test_compiled_float32_product_is_the_gguf_matrix_and_each_row_its_own(kind):
 
 
 @needs_compiled
-def test_q8_0_as_bytes_reads_every_code_back_exactly(monkeypatch):
+def test_q8_0_as_bytes_reads_every_code_back_exactly(monkeypatch, compiled_route):
     from triforce.model.gguf_blocks import Blocks
     from triforce.model.stored import ByteCodesLinear
 
@@ -55,7 +62,7 @@ def test_q8_0_as_bytes_reads_every_code_back_exactly(monkeypatch):
 
 @needs_compiled
 @pytest.mark.parametrize("fixture", ["q4_1", "q4_k"])
-def test_one_token_float32_passes_equal_the_float64_dequantized_model(tmp_path, fixture):
+def test_one_token_float32_passes_equal_the_float64_dequantized_model(tmp_path, fixture, compiled_route):
     """Token by token (every matrix through the compiled product) against float64 dense weights."""
     path = tmp_path / "m.gguf"
     if fixture == "q4_1":
@@ -73,7 +80,7 @@ def test_one_token_float32_passes_equal_the_float64_dequantized_model(tmp_path, 
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
-def test_float32_auto_stays_dense_without_the_compiled_product(monkeypatch):
+def test_float32_auto_stays_dense_without_the_compiled_product(monkeypatch, compiled_route):
     monkeypatch.setattr(stored_f32, "available", lambda: False)
     gguf_loader.stored_kernel_pays.cache_clear()
     try:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import stored_bf16, stored_f32
+from . import stored_avx2, stored_bf16, stored_f32
 from .gguf_blocks import BLOCK, FORMS, Blocks
 
 # Above this many rows (prefill, window refills) the weights are dequantized for one dense GEMM:
@@ -80,9 +80,9 @@ class PackedLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())  # (N, K' / 32), exact f16 values
         self.register_buffer("zeros", zeros.float().contiguous())
         self.kernel_dtype = dtype if dtype in KERNEL_DTYPES and _int4_kernels_available() else None
-        # float32: the compiled one-row product (stored_f32), where it builds; torch's float32 int4
-        # path is a slow reference
-        self.compiled_f32 = dtype == torch.float32 and stored_f32.available()
+        # float32 without the records' avx2 kernels: the compiled one-row product (stored_f32), where
+        # it builds; torch's float32 int4 path is a slow reference
+        self.compiled_f32 = dtype == torch.float32 and records is None and stored_f32.available()
         if self.compiled_f32 or self.block_kernel is not None:
             self.kernel_dtype = None
         if self.kernel_dtype is not None:
@@ -97,8 +97,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.block_kernel is not None and stored_bf16.serves(rows):
-            product = stored_bf16.q4_product if self.block_kernel == "q4" else stored_bf16.q8_product
+        kernels = self._records_kernels(rows)
+        if kernels is not None:
+            product = kernels.q4_product if self.block_kernel == "q4" else kernels.q8_product
             out = product(rows, self.block_records, self.out_features)
             if self.bias is not None:
                 out = out + self.bias
@@ -118,9 +119,22 @@ class PackedLinear(nn.Module):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def _records_kernels(self, rows: torch.Tensor):
+        """The module whose kernels take these rows over the records (stored_bf16 for bfloat16,
+        stored_avx2 for float32), or None."""
+        if self.block_kernel is None:
+            return None
+        if stored_bf16.serves(rows):
+            return stored_bf16
+        return stored_avx2 if stored_avx2.serves(rows) else None
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W (N, K) in `dtype`: (code - 8) * scale + zero per group in float32 (float64 for float64),
-        the hi/lo halves of Q8_0 summed (exact: both are small integers times d)."""
+        the hi/lo halves of Q8_0 summed (exact: both are small integers times d); float32 from the
+        records d * q + m in one rounding, where the avx2 kernels built them."""
+        if self.block_kernel is not None and dtype == torch.float32 and stored_avx2.available():
+            dense = stored_avx2.q4_dense if self.block_kernel == "q4" else stored_avx2.q8_dense
+            return dense(self.block_records, self.out_features)
         if self.compiled_f32 and dtype == torch.float32:
             return stored_f32.dense_weights(self.codes, self.scales, self.zeros, self.repeat)
         exact = torch.float64 if dtype == torch.float64 else torch.float32
@@ -139,17 +153,18 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = ("compiled float32" if self.compiled_f32 else
-                  f"bf16 {self.block_kernel} records" if self.block_kernel else self.kernel_dtype)
+                  f"{self.block_kernel} records" if self.block_kernel else self.kernel_dtype)
         return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={kernel}"
 
 
 def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | None = None) -> PackedLinear:
     """The exact int4-group form of a matrix of a stored type, or a stack of one form (module docstring)."""
     forms = {FORMS.get(kind) for kind in blocks.kind.split("+")}
-    records = block_records(blocks, forms) if dtype == torch.bfloat16 and stored_bf16.available() else None
+    records = block_records(blocks, forms) if records_route(dtype) else None
     if forms == {"affine"}:  # Q4_K arrives decoded into Q4_1's per-32 form
         layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind, records)
-    elif forms == {"signed"} and dtype == torch.float32 and stored_f32.available() and stored_f32.bytes_pay():
+    elif (forms == {"signed"} and dtype == torch.float32 and records is None and stored_f32.available()
+          and stored_f32.bytes_pay()):
         layer = ByteCodesLinear(blocks.q, blocks.d, bias, blocks.kind)
     elif forms == {"signed"}:  # Q5_0 arrives decoded into Q8_0's form
         q = blocks.q.to(torch.int16)
@@ -162,6 +177,14 @@ def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | 
         raise ValueError(f"no packed form for {blocks.kind}")
     layer.stored_bytes = blocks.stored_bytes
     return layer
+
+
+def records_route(dtype: torch.dtype) -> bool:
+    """Whether layers in `dtype` compute over block records: stored_bf16's kernels for bfloat16
+    (avx512_bf16), stored_avx2's for float32 (avx2, FMA, F16C)."""
+    if dtype == torch.bfloat16:
+        return stored_bf16.available()
+    return dtype == torch.float32 and stored_avx2.available()
 
 
 def block_records(blocks: Blocks, forms: set) -> tuple[str, torch.Tensor] | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import stored_bf16, stored_f32
+from . import stored_avx2, stored_bf16, stored_f32
 from .config import ModelConfig
 
 FORMAT = "3"  # 2: float32 Q8_0/Q5_0 layers hold bytes (ByteCodesLinear); 3: bf16 block records (stored_bf16)
@@ -36,10 +36,10 @@ def cache_path(gguf: Path, dtype: torch.dtype) -> Path:
 
 
 def cache_key(sha256: str, dtype: torch.dtype) -> dict[str, str]:
-    # float32 layers hold the compiled product's buffers, bf16 ones stored_bf16's records, or either
-    # the int4 kernel's where its own does not build
+    # float32 layers hold block records (stored_avx2) or the compiled product's buffers, bf16 ones
+    # stored_bf16's records, or either the int4 kernel's where their own do not build
     if dtype == torch.float32:
-        route = "compiled" if stored_f32.available() else "int4pack"
+        route = "records" if stored_avx2.available() else "compiled" if stored_f32.available() else "int4pack"
     else:
         route = "records" if dtype == torch.bfloat16 and stored_bf16.available() else "int4pack"
     return {"gguf_sha256": sha256, "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),

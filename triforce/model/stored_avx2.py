@@ -1,0 +1,392 @@
+"""float32 products of a few rows with weights as stored (GGUF blocks), as avx2 kernels: the float32
+path that avx2-only CPUs take (no native bfloat16 there, so the model computes in float32).
+
+The same records as stored_bf16 (its module docstring has the layout: 16 output rows a group, one per
+lane; per block of 32 columns the codes, then the rows' d, then m), read here as two halves of 8
+lanes. For each row x (float32) and output n:
+
+    y[n] = sum over blocks b of  d[n,b] * (sum_{k in b} q[n,k] x[k])  +  m[n,b] * (sum_{k in b} x[k])
+
+with q the codes (0..15 for Q4_1/Q4_K, -128..127 for Q8_0/Q5_0), d and m the GGUF's own values in
+float32. The dequantized model computes sum_k (d q + m) x: the same sum in another grouping, so the
+outputs agree to float32 accumulation order (tests/model/test_stored_avx2.py holds them to float64).
+
+How a code becomes a float with few instructions: a code is masked where it lies in its 32-bit word,
+so it arrives as q * 2^s (exact), and the power of two is taken out of something else, exactly:
+
+- Q4: nibble j of a word (bits 4j..4j+3) is masked in place (q * 2^4j, one AND; the top nibble is
+  shifted down 4 first, so that its value stays positive); each column always sits in the same
+  nibble, so every row of x is copied once per call with column k scaled by that nibble's 2^-4j.
+  q * 2^4j times x * 2^-4j is the product q * x, rounded the same (scaling by a power of two is
+  exact while x * 2^-28 stays a normal float, |x| > 2^-98).
+- Q8: each byte is moved to the top of the word (q * 2^24 with its sign, a shift or a mask), and the
+  block's d is taken as d * 2^-24: t * (d * 2^-24) rounds as (t * 2^-24) * d.
+
+Then one convert and one multiply-add a weight vector, the block sums in 2-4 independent chains
+(multiply-add latency). SmolLM2-135M's matrices, one row, one thread (bench in the docstring of
+`python -m bench.f32_kernels`): see docs/results.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_kernels
+from .stored_bf16 import BLOCK, q4_records, q8_records
+
+# Past this many rows (prefill pieces) one dense GEMM over dequantized weights is cheaper; the kernels
+# take rows 4 at a time, each group's records read from memory once per call and from cache per 4 rows
+MAX_ROWS = 64
+
+SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+// every function below, lambdas included (they take no target attribute of their own), is avx2 code
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace {
+
+constexpr int BLOCK_COLUMNS = 32;
+inline float scale_value(uint16_t h) { return c10::Half(h, c10::Half::from_bits()); }
+inline float scale_value(float f) { return f; }
+
+AVX2 inline __m256 load_scales8(const uint16_t* p) {  // 8 f16 values, widened exactly
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+AVX2 inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+
+// nibble j of every lane as float, times 2^4j (j = 7: times 2^24)
+template <int J>
+AVX2 inline __m256 nibble(__m256i v) {
+  if constexpr (J == 7) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), _mm256_set1_epi32(15 << 24)));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * J))));
+  }
+}
+
+// byte b of every lane, signed, as float times 2^24
+template <int B>
+AVX2 inline __m256 byte24(__m256i v) {
+  const __m256i top = _mm256_set1_epi32(int32_t(0xff000000u));
+  if constexpr (B == 0) return _mm256_cvtepi32_ps(_mm256_slli_epi32(v, 24));
+  else if constexpr (B == 3) return _mm256_cvtepi32_ps(_mm256_and_si256(v, top));
+  else return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24 - 8 * B), top));
+}
+
+// the column of a block that nibble j of vector c holds: low halves 8c + 2j, high halves 8c + 2(j-4) + 1
+constexpr int q4_column(int c, int j) { return 8 * c + (j < 4 ? 2 * j : 2 * (j - 4) + 1); }
+// Q8: byte b of vector c holds column 4c + (0, 2, 1, 3)[b]
+constexpr int q8_column(int c, int b) { return 4 * c + (b == 0 ? 0 : b == 1 ? 2 : b == 2 ? 1 : 3); }
+
+template <typename Scale> constexpr int q4_record() { return 256 + 2 * 16 * int(sizeof(Scale)); }
+template <typename Scale> constexpr int q8_record() { return 512 + 16 * int(sizeof(Scale)); }
+
+// Sum chains per (row, half), the same for every number of rows, so that a row's sums run in one
+// order however many rows share the call: a verification pass computes each row as a one-token pass
+// does, bit for bit. One chain: more left the 4-row tile short of registers (SmolLM2-sized Q8_0 at 4
+// rows, 2 chains 4.9 ms against 2.2 with one; one row 1.1 against 0.9 with 4 chains, not batch-invariant)
+constexpr int CHAINS = 1;
+constexpr int TILE = 4;  // rows of x per pass over a group's records
+template <int NR> constexpr int chains() { return CHAINS; }
+
+template <int NR, int CH>
+struct Sums {
+  __m256 t[NR][2][CH];
+  AVX2 void zero() {
+    for (int r = 0; r < NR; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < CH; ++c) t[r][h][c] = _mm256_setzero_ps();
+  }
+  AVX2 __m256 total(int r, int h) const {
+    __m256 s = t[r][h][0];
+    for (int c = 1; c < CH; ++c) s = _mm256_add_ps(s, t[r][h][c]);
+    return s;
+  }
+};
+
+// One group of 16 output rows against NR rows of x (xs: x scaled per column, see the docstring;
+// sx: block sums of x); acc[r][h] = outputs 8h..8h+7 of row r
+template <int NR, typename Scale>
+AVX2 void q4_group(const uint8_t* rec, int64_t blocks, const float* const* xs, const float* const* sx, __m256 (*acc)[2]) {
+  constexpr int RECORD = q4_record<Scale>(), CH = chains<NR>();
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  Sums<NR, CH> s;
+  for (int64_t b = 0; b < blocks; ++b, rec += RECORD) {
+    for (int line = 0; line < RECORD; line += 64) read_ahead(rec + line);
+    s.zero();
+    const float* xb[NR];
+    for (int r = 0; r < NR; ++r) xb[r] = xs[r] + BLOCK_COLUMNS * b;
+    auto step = [&](auto jc, int c, __m256i v0, __m256i v1) {
+      constexpr int J = decltype(jc)::value;
+      __m256 w0 = nibble<J>(v0), w1 = nibble<J>(v1);
+      int col = q4_column(c, J);
+      for (int r = 0; r < NR; ++r) {
+        __m256 x = _mm256_broadcast_ss(xb[r] + col);
+        s.t[r][0][J % CH] = _mm256_fmadd_ps(w0, x, s.t[r][0][J % CH]);
+        s.t[r][1][J % CH] = _mm256_fmadd_ps(w1, x, s.t[r][1][J % CH]);
+      }
+    };
+    for (int c = 0; c < 4; ++c) {
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32));
+      step(std::integral_constant<int, 0>{}, c, v0, v1);
+      step(std::integral_constant<int, 1>{}, c, v0, v1);
+      step(std::integral_constant<int, 2>{}, c, v0, v1);
+      step(std::integral_constant<int, 3>{}, c, v0, v1);
+      step(std::integral_constant<int, 4>{}, c, v0, v1);
+      step(std::integral_constant<int, 5>{}, c, v0, v1);
+      step(std::integral_constant<int, 6>{}, c, v0, v1);
+      step(std::integral_constant<int, 7>{}, c, v0, v1);
+    }
+    const Scale* d = reinterpret_cast<const Scale*>(rec + 256);
+    const Scale* m = d + 16;
+    for (int h = 0; h < 2; ++h) {
+      __m256 dh = load_scales8(d + 8 * h), mh = load_scales8(m + 8 * h);
+      for (int r = 0; r < NR; ++r)
+        acc[r][h] = _mm256_fmadd_ps(mh, _mm256_set1_ps(sx[r][b]), _mm256_fmadd_ps(s.total(r, h), dh, acc[r][h]));
+    }
+  }
+}
+
+template <int NR, typename Scale>
+AVX2 void q8_group(const uint8_t* rec, int64_t blocks, const float* const* x, const float* const*, __m256 (*acc)[2]) {
+  constexpr int RECORD = q8_record<Scale>(), CH = chains<NR>();
+  const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);  // 2^-24: the codes arrive times 2^24
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  Sums<NR, CH> s;
+  for (int64_t b = 0; b < blocks; ++b, rec += RECORD) {
+    for (int line = 0; line < RECORD; line += 64) read_ahead(rec + line);
+    s.zero();
+    const float* xb[NR];
+    for (int r = 0; r < NR; ++r) xb[r] = x[r] + BLOCK_COLUMNS * b;
+    auto step = [&](auto bc, int c, __m256i v0, __m256i v1) {
+      constexpr int B = decltype(bc)::value;
+      __m256 w0 = byte24<B>(v0), w1 = byte24<B>(v1);
+      int col = q8_column(c, B);
+      for (int r = 0; r < NR; ++r) {
+        __m256 xv = _mm256_broadcast_ss(xb[r] + col);
+        s.t[r][0][(c + B) % CH] = _mm256_fmadd_ps(w0, xv, s.t[r][0][(c + B) % CH]);
+        s.t[r][1][(c + B) % CH] = _mm256_fmadd_ps(w1, xv, s.t[r][1][(c + B) % CH]);
+      }
+    };
+    for (int c = 0; c < 8; ++c) {
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32));
+      step(std::integral_constant<int, 0>{}, c, v0, v1);
+      step(std::integral_constant<int, 1>{}, c, v0, v1);
+      step(std::integral_constant<int, 2>{}, c, v0, v1);
+      step(std::integral_constant<int, 3>{}, c, v0, v1);
+    }
+    const Scale* d = reinterpret_cast<const Scale*>(rec + 512);
+    for (int h = 0; h < 2; ++h) {
+      __m256 dh = _mm256_mul_ps(load_scales8(d + 8 * h), unscale);  // exact: a power of two
+      for (int r = 0; r < NR; ++r) acc[r][h] = _mm256_fmadd_ps(s.total(r, h), dh, acc[r][h]);
+    }
+  }
+}
+
+using GroupFn = void (*)(const uint8_t*, int64_t, const float* const*, const float* const*, __m256 (*)[2]);
+
+template <template <int, typename> class Pick, typename Scale>
+GroupFn group_fn(int rows) {
+  switch (rows) {
+    case 1: return Pick<1, Scale>::fn;
+    case 2: return Pick<2, Scale>::fn;
+    case 3: return Pick<3, Scale>::fn;
+    default: return Pick<TILE, Scale>::fn;
+  }
+}
+template <int NR, typename Scale> struct Q4 { static constexpr GroupFn fn = q4_group<NR, Scale>; };
+template <int NR, typename Scale> struct Q8 { static constexpr GroupFn fn = q8_group<NR, Scale>; };
+
+// Q4: x with column k of each block scaled by 2^-4j, j the nibble that holds it (2^-24 for j = 7),
+// and the block sums of the unscaled x (the mins' factor)
+void q4_inputs(const float* x, int64_t blocks, float* scaled, float* sums) {
+  float scale[BLOCK_COLUMNS];
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 8; ++j) scale[q4_column(c, j)] = j == 7 ? 1.0f / 16777216.0f : 1.0f / float(1 << (4 * j));
+  for (int64_t b = 0; b < blocks; ++b) {
+    float sum = 0;
+    for (int k = 0; k < BLOCK_COLUMNS; ++k) {
+      scaled[BLOCK_COLUMNS * b + k] = x[BLOCK_COLUMNS * b + k] * scale[k];
+      sum += x[BLOCK_COLUMNS * b + k];
+    }
+    sums[b] = sum;
+  }
+}
+
+AVX2 void store_group(const __m256* acc, float* out, int64_t valid) {
+  if (valid >= 16) {
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+    return;
+  }
+  alignas(32) float all[16];  // a last partial group: its padding rows stay out of the output
+  _mm256_store_ps(all, acc[0]);
+  _mm256_store_ps(all + 8, acc[1]);
+  std::memcpy(out, all, valid * sizeof(float));
+}
+
+AVX2 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int64_t out_features, bool q4) {
+  auto x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 (rows, K)");
+  TORCH_CHECK(records.dim() == 3 && records.scalar_type() == at::kByte && records.is_contiguous(),
+              "records must be uint8 (groups, blocks, record bytes)");
+  int64_t R = x.size(0), K = x.size(1), groups = records.size(0), blocks = records.size(1), bytes = records.size(2);
+  TORCH_CHECK(K == BLOCK_COLUMNS * blocks && out_features <= 16 * groups && out_features > 16 * (groups - 1),
+              "shapes disagree");
+  bool f32 = bytes == (q4 ? q4_record<float>() : q8_record<float>());
+  TORCH_CHECK(f32 || bytes == (q4 ? q4_record<uint16_t>() : q8_record<uint16_t>()), "unknown record size");
+  const float* xd = x.const_data_ptr<float>();
+  std::vector<float> scaled(q4 ? R * K : 0), sums(q4 ? R * blocks : 0);
+  for (int64_t r = 0; q4 && r < R; ++r) q4_inputs(xd + r * K, blocks, scaled.data() + r * K, sums.data() + r * blocks);
+  const float* rows = q4 ? scaled.data() : xd;
+  auto out = at::empty({R, out_features}, x.options());
+  float* o = out.data_ptr<float>();
+  const uint8_t* rec = records.const_data_ptr<uint8_t>();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = rec + g * blocks * bytes;
+    for (int64_t r0 = 0; r0 < R; r0 += TILE) {
+      int nr = int(std::min<int64_t>(TILE, R - r0));
+      const float* xs[TILE];
+      const float* sx[TILE];
+      for (int r = 0; r < nr; ++r) {
+        xs[r] = rows + (r0 + r) * K;
+        sx[r] = q4 ? sums.data() + (r0 + r) * blocks : nullptr;
+      }
+      GroupFn fn = q4 ? (f32 ? group_fn<Q4, float>(nr) : group_fn<Q4, uint16_t>(nr))
+                      : (f32 ? group_fn<Q8, float>(nr) : group_fn<Q8, uint16_t>(nr));
+      __m256 acc[TILE][2];
+      fn(group, blocks, xs, sx, acc);
+      for (int r = 0; r < nr; ++r) store_group(acc[r], o + (r0 + r) * out_features + 16 * g, out_features - 16 * g);
+    }
+  }
+  return out;
+}
+
+// The dense float32 weights (N, K) of the records, for passes of many rows: w = d * q + m in one
+// rounding (d * q is exact in float32: an f16, or Q4_K's f16 times 6 bits, times a small integer)
+template <typename Scale>
+void dense(const uint8_t* rec, int64_t groups, int64_t blocks, int64_t n, bool q4, float* w) {
+  const int64_t K = BLOCK_COLUMNS * blocks, bytes = q4 ? q4_record<Scale>() : q8_record<Scale>();
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* r = rec + (g * blocks + b) * bytes;
+      const Scale* d = reinterpret_cast<const Scale*>(r + (q4 ? 256 : 512));
+      for (int lane = 0; lane < 16 && 16 * g + lane < n; ++lane) {
+        float* row = w + (16 * g + lane) * K + BLOCK_COLUMNS * b;
+        float dl = scale_value(d[lane]), ml = q4 ? scale_value(d[16 + lane]) : 0.0f;
+        for (int c = 0; c < (q4 ? 4 : 8); ++c) {
+          uint32_t word;
+          std::memcpy(&word, r + 64 * c + 4 * lane, 4);
+          for (int j = 0; j < (q4 ? 8 : 4); ++j) {
+            int q = q4 ? int((word >> (4 * j)) & 15) : int(int8_t(word >> (8 * j)));
+            row[q4 ? q4_column(c, j) : q8_column(c, j)] = std::fma(dl, float(q), ml);
+          }
+        }
+      }
+    }
+}
+
+at::Tensor dequantize(const at::Tensor& records, int64_t out_features, bool q4) {
+  TORCH_CHECK(records.dim() == 3 && records.scalar_type() == at::kByte && records.is_contiguous(), "records must be uint8");
+  int64_t groups = records.size(0), blocks = records.size(1), bytes = records.size(2);
+  auto w = at::empty({out_features, BLOCK_COLUMNS * blocks}, records.options().dtype(at::kFloat));
+  bool f32 = bytes == (q4 ? q4_record<float>() : q8_record<float>());
+  if (f32) dense<float>(records.const_data_ptr<uint8_t>(), groups, blocks, out_features, q4, w.data_ptr<float>());
+  else dense<uint16_t>(records.const_data_ptr<uint8_t>(), groups, blocks, out_features, q4, w.data_ptr<float>());
+  return w;
+}
+
+at::Tensor q4_product(const at::Tensor& x, const at::Tensor& records, int64_t n) { return product(x, records, n, true); }
+at::Tensor q8_product(const at::Tensor& x, const at::Tensor& records, int64_t n) { return product(x, records, n, false); }
+at::Tensor q4_dense(const at::Tensor& records, int64_t n) { return dequantize(records, n, true); }
+at::Tensor q8_dense(const at::Tensor& records, int64_t n) { return dequantize(records, n, false); }
+
+}  // namespace
+
+#pragma GCC pop_options
+
+TORCH_LIBRARY(triforce_stored_f32, m) {
+  m.def("q4_product(Tensor x, Tensor records, int out_features) -> Tensor");
+  m.def("q8_product(Tensor x, Tensor records, int out_features) -> Tensor");
+  m.def("q4_dense(Tensor records, int out_features) -> Tensor");
+  m.def("q8_dense(Tensor records, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triforce_stored_f32, CPU, m) {
+  m.impl("q4_product", &q4_product);
+  m.impl("q8_product", &q8_product);
+  m.impl("q4_dense", &q4_dense);
+  m.impl("q8_dense", &q8_dense);
+}
+"""
+
+@torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
+def available() -> bool:
+    """Whether the kernels build here (avx2, FMA, F16C and a C++ compiler) and compute the dequantized
+    product on a small case. Asked once per process."""
+    return cpu_kernels.built("triforce_stored_f32", SOURCE, _register_shapes, _self_check,
+                             isa=cpu_kernels.AVX2)
+
+
+def _self_check() -> bool:
+    """Both kernels and both dequantizations against float64 on 5 rows of a 24 x 64 matrix (a partial
+    group, a 4-row and a 1-row pass)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g)
+    d = (torch.rand(24, 2, generator=g) * 0.01).half().float()
+    m = -(torch.rand(24, 2, generator=g) * 0.08).half().float()
+    q4 = torch.randint(0, 16, (24, 64), generator=g)
+    q8 = torch.randint(-128, 128, (24, 64), generator=g)
+    ok = True
+    for records, codes, mins, product, dense in (
+            (q4_records(q4, d, m), q4, m, q4_product, q4_dense),
+            (q8_records(q8, d), q8, torch.zeros_like(m), q8_product, q8_dense)):
+        w = (codes.view(24, 2, BLOCK).double() * d.double()[..., None] + mins.double()[..., None]).view(24, 64)
+        want = x.double() @ w.t()
+        ok = ok and bool(((product(x, records, 24).double() - want).abs() <= 1e-5 * (1 + want.abs())).all())
+        ok = ok and bool(((dense(records, 24).double() - w).abs() <= 1e-6 * w.abs()).all())
+    return ok
+
+
+def _register_shapes() -> None:
+    """What the ops return, for torch.compile's tracing (which runs no kernel)."""
+    for op in ("q4_product", "q8_product"):
+        @torch.library.register_fake(f"triforce_stored_f32::{op}")
+        def _(x, records, out_features):
+            return x.new_empty(x.shape[0], out_features)
+    for op in ("q4_dense", "q8_dense"):
+        @torch.library.register_fake(f"triforce_stored_f32::{op}")
+        def _(records, out_features):
+            return records.new_empty(out_features, records.shape[1] * BLOCK, dtype=torch.float32)
+
+
+def q4_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (R, K) float32 . W^T for W = d * q + m as Q4 records -> (R, out_features) float32."""
+    return torch.ops.triforce_stored_f32.q4_product(x, records, out_features)
+
+
+def q8_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (R, K) float32 . W^T for W = d * q as Q8 records -> (R, out_features) float32."""
+    return torch.ops.triforce_stored_f32.q8_product(x, records, out_features)
+
+
+def q4_dense(records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """W = d * q + m (out_features, K) float32 from Q4 records."""
+    return torch.ops.triforce_stored_f32.q4_dense(records, out_features)
+
+
+def q8_dense(records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """W = d * q (out_features, K) float32 from Q8 records."""
+    return torch.ops.triforce_stored_f32.q8_dense(records, out_features)
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether these kernels take this input: float32 on CPU, a few rows, the kernels built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= MAX_ROWS * x.shape[-1]
+            and available())
