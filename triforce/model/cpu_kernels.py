@@ -75,21 +75,26 @@ _BUILT: dict[str, bool] = {}
 
 
 def built(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
-          isa: frozenset[str] = AVX512_BF16) -> bool:
+          isa: frozenset[str] = AVX512_BF16, openmp: bool = False) -> bool:
     """Whether the extension `name` (PRELUDE + source) builds here, its ops' shapes registered for
     torch.compile, and passes `check` on a small case; only where the CPU has `isa`, the
-    instructions its code uses. Built and checked once per process: any failure (no compiler, no
-    headers, an ISA the build rejects, a wrong result) means False."""
+    instructions its code uses. `openmp`: built with OpenMP, so that at::parallel_for splits work
+    over torch's threads (the libgomp torch loaded serves it: same soname). Built and checked once
+    per process: any failure (no compiler, no headers, an ISA the build rejects, a wrong result)
+    means False."""
     if name not in _BUILT:
-        _BUILT[name] = cpu_has(isa) and _build_and_check(name, source, register_shapes, check)
+        _BUILT[name] = cpu_has(isa) and _build_and_check(name, source, register_shapes, check, openmp)
     return _BUILT[name]
 
 
-def _build_and_check(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool]) -> bool:
+def _build_and_check(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
+                     openmp: bool) -> bool:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        load_inline(name, cpp_sources=[PRELUDE + source], extra_cflags=["-O3"], is_python_module=False)
+        flags = ["-O3", "-fopenmp"] if openmp else ["-O3"]
+        load_inline(name, cpp_sources=[PRELUDE + source], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"] if openmp else None, is_python_module=False)
         register_shapes()
         return bool(check())
     except Exception:  # noqa: BLE001 - not here, whatever the reason: the callers keep torch's ops
