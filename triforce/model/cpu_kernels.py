@@ -1,5 +1,6 @@
-"""What the CPU bfloat16 kernels share (decode_attention.py, stored_bf16.py): the CPU check, the
-build through torch's extension builder, and the C++ helpers every kernel source starts with.
+"""What the CPU kernels share (decode_attention.py, stored_bf16.py: bfloat16 on avx512_bf16;
+stored_avx2.py: float32 on avx2): the CPU check, the build through torch's extension builder, and
+the C++ helpers every kernel source starts with.
 
 Each kernel module compiles its C++ at first use with `load_inline` (a C++ compiler and ninja, as
 --compile needs anyway; cached on disk across processes) into torch ops that torch.compile calls as
@@ -7,6 +8,7 @@ opaque kernels. A module whose build or self-check fails keeps torch's own ops.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 from .kv_dtype import cpu_flags
@@ -93,7 +95,10 @@ def _build_and_check(name: str, source: str, register_shapes: Callable[[], None]
         from torch.utils.cpp_extension import load_inline
 
         flags = ["-O3", "-fopenmp"] if openmp else ["-O3"]
-        load_inline(name, cpp_sources=[PRELUDE + source], extra_cflags=flags,
+        # the source's hash in the build's name: checkouts with different sources (two branches, two
+        # versions) keep a build each instead of rebuilding one another's (~16 s each time)
+        digest = hashlib.sha256((PRELUDE + source + " ".join(flags)).encode()).hexdigest()[:10]
+        load_inline(f"{name}_{digest}", cpp_sources=[PRELUDE + source], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"] if openmp else None, is_python_module=False)
         register_shapes()
         return bool(check())
