@@ -14,6 +14,9 @@ One thread, one row (a decode step), random Q4_1-like blocks (f16 scales). Route
     int8_f32/bf16  _weight_int8pack_mm (one scale per row: cannot hold per-block scales; speed only)
     compiled       triforce.model.stored_f32: inductor's fused dequantize-and-dot over the codes
     compiled_q8    the same over Q8_0 blocks (bytes q + 128 and d per 32) of the same shape
+    avx2           triforce.model.stored_avx2: our avx2 kernel over the block records (the route
+                   float32 takes where it builds)
+    avx2_q8        the same over Q8_0 blocks of the same shape
 
 Error: max |y - y64| / max |y64| against the float64 product with the same weights. ATEN_CPU_CAPABILITY
 changes the ISA torch's own kernels and inductor's generated code use; oneDNN (the dense bf16 matmul)
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from triforce.model import stored_f32
+from triforce.model import stored_avx2, stored_f32
 
 SHAPES = [(32768, 1024), (49152, 576), (3072, 576), (960, 576), (576, 1536)]  # SmolLM2: head, w13, wqkv, w2
 SLOW = ("int4_f32", "int8_f32")  # tens of ms: fewer repeats
@@ -69,6 +72,12 @@ def routes_for(n: int, k: int, g: torch.Generator) -> tuple[dict, torch.Tensor, 
         routes["compiled"] = lambda: stored_f32.rows_product(x, nibbles, scales, zeros)
         offset = (q8.to(torch.int16) + 128).to(torch.uint8)  # Q8_0 blocks of this shape, as ByteCodesLinear
         routes["compiled_q8"] = lambda: stored_f32.byte_rows_product(x, offset, scales)
+    if stored_avx2.available():
+        # w = d * q + (zero - 8 d): float32 scales in the records, as Q4_K's (not f16 values here)
+        records = stored_avx2.q4_records(codes, scales, zeros - 8 * scales, torch.float32)
+        records8 = stored_avx2.q8_records(q8, scales)
+        routes["avx2"] = lambda: stored_avx2.q4_product(x, records, n)
+        routes["avx2_q8"] = lambda: stored_avx2.q8_product(x, records8, n)
     y64 = x.double() @ w.double().t()
     # split3's error without the scales' rounding: the same product with bf16-exact scales and zeros
     wb = ((codes.double() - 8).view(n, -1, 32) * szbf[..., 0].t().double()[..., None]
@@ -97,7 +106,7 @@ def measure(rounds: int) -> list[dict]:
             for name, fn in routes.items():
                 best[name] = min(best[name], timed(fn, 1 if name in SLOW else 5))
         errors = {name: (routes[name]().double() - y64).abs().max().item() / y64.abs().max().item()
-                  for name in ("dense_f32", "split3", "compiled") if name in routes}
+                  for name in ("dense_f32", "split3", "compiled", "avx2") if name in routes}
         rows.append({"shape": [n, k], "ms": {name: round(v, 4) for name, v in best.items()},
                      "vs_dense_f32": {name: round(best["dense_f32"] / v, 2) for name, v in best.items()},
                      "rel_error": {name: float(f"{v:.2e}") for name, v in {**errors, **extra}.items()}})
