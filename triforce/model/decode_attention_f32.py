@@ -6,16 +6,17 @@ rows being the query rows that share the head (GQA group x new tokens: 3 in a Sm
 A float32 model on a CPU without avx512_bf16 keeps its KV cache in 16 bits (model/kv_dtype.py). The
 products used to widen each head to float32 with `.to()` and run torch's GEMMs on the copy: memory
 saw the 16-bit read, but the widening wrote and re-read a float32 copy of every head, every layer.
-These kernels widen a block of keys or values once into a small float32 buffer that stays in L1
-(F16C's `vcvtph2ps` for float16, a 16-bit shift for bfloat16) and run every query row over it, so
-memory sees each 16-bit value once per call however many rows share it:
+These kernels read the 16-bit cache itself, a block of keys or values at a time (4-8 KB, in L1 while
+every row runs over it), widening each 8 values in registers as they are loaded (F16C's `vcvtph2ps`
+for float16, a 16-bit shift for bfloat16): memory sees each 16-bit value once per call however many
+rows share it, and no float32 copy is written.
 
-- scores: per row, 8 keys at a time, each key's partial sums in its own vector (8 independent FMA
-  chains), reduced to one vector of 8 scores by a tree of horizontal adds; no transposition, so the
-  cost per row is the multiply-adds plus an eighth of a reduction per key.
-- mix: per key, each row's weight broadcast and multiply-added into the row's D/8 sums; rows in
-  tiles whose sums fit the 16 ymm registers (6 rows x 16 dims, 3 x 32, 1 x 64), the sums waiting in
-  the float32 output between blocks.
+- scores: rows in pairs, 4 keys at a time, each (row, key)'s partial sums in its own vector (8
+  independent FMA chains, each key chunk loaded and widened once for both rows), reduced to one
+  vector of 8 scores by a tree of horizontal adds; no transposition of the keys.
+- mix: per key, each row's weight broadcast and multiply-added into the row's sums; rows in tiles
+  whose sums fit the 16 ymm registers (6 rows x 16 dims, 2-3 x 32, 1 x 64), the sums waiting in the
+  float32 output between blocks.
 
 Both read ahead by software prefetch, spread over the loops that work on the block before.
 
@@ -36,7 +37,6 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 SOURCE = r"""
 #include <algorithm>
-#include <type_traits>
 
 namespace {
 
@@ -82,22 +82,14 @@ struct Ahead {
   }
 };
 
-// A block of keys or values as float32: 16-bit ones widened once into buf (L1-sized), so that every
-// row reads the block from L1 and memory sees each 16-bit value once; float32 ones read in place.
-constexpr int BLOCK_FLOATS = 2048;  // 8 KB: 32 keys at head_dim 64, 16 at 128
-
-template <typename T>
-AVX2 inline const float* widened(const T* src, int64_t count, float* buf, Ahead& ahead) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    for (int64_t i = 0; i < count; i += 32) {  // 64 bytes of 16-bit values: one line, one step
-      ahead.step();
-      for (int64_t j = i; j < std::min(i + 32, count); j += 8) _mm256_store_ps(buf + j, load8(src + j));
-    }
-    return buf;
-  }
-}
+// Keys and values are taken a block at a time (BLOCK values: 32 keys at head_dim 64, 16 at 128, 4-8 KB)
+// and every row runs over the block while it sits in L1, so memory sees each value once per call.
+// They are widened in registers as they are loaded, again for each row (pair) that reads them: a
+// float32 copy of the block, widened once into an L1 buffer and read by every row, took longer at
+// every row count, its stores and loads costing more than F16C's conversion or bfloat16's shift
+// (SmolLM2 at 16K keys, float16: scores 7.0 ms against 5.9 at 1 row, 29.3 against 20.4 at 12,
+// 89.7 against 69.1 at 42; the values product alike).
+constexpr int BLOCK = 2048;
 
 // ======== scores = rows . keys^T ========
 
@@ -109,35 +101,65 @@ AVX2 inline __m256 totals8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// one row's dot products with 8 consecutive float32 keys: 8 independent FMA chains, each key's row
-// chunk loaded once (the row's chunk once for all 8)
-template <int D>
-AVX2 inline __m256 dots8(const float* q, const float* k) {
+// one row's dot products with 8 consecutive keys: 8 independent FMA chains, the row's chunk loaded
+// once for all 8
+template <int D, typename T>
+AVX2 inline __m256 dots8(const float* q, const T* k) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int c = 0; c < D / 8; ++c) {
     __m256 qc = _mm256_loadu_ps(q + 8 * c);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + j * D + 8 * c), acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, load8(k + j * D + 8 * c), acc[j]);
   }
   return totals8(acc);
 }
 
+// two rows' dot products with 4 consecutive keys, lanes (row 0: keys 0-3, row 1: keys 0-3):
+// each key chunk loaded (and widened) once for both rows, 0.75 loads per FMA where one row takes 1.1
+template <int D, typename T>
+AVX2 inline __m256 dots2x4(const float* q0, const float* q1, const T* k) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int c = 0; c < D / 8; ++c) {
+    __m256 a = _mm256_loadu_ps(q0 + 8 * c), b = _mm256_loadu_ps(q1 + 8 * c);
+    for (int j = 0; j < 4; ++j) {
+      __m256 x = load8(k + j * D + 8 * c);
+      acc[j] = _mm256_fmadd_ps(a, x, acc[j]);
+      acc[4 + j] = _mm256_fmadd_ps(b, x, acc[4 + j]);
+    }
+  }
+  return totals8(acc);
+}
+
+// out[r, 0:n] = rows[r] . k[0:n] for every row, n a multiple of 8: rows in pairs, 8 keys a step
+template <int D, typename T>
+AVX2 void score_rows(const float* rows, int64_t R, const T* k, int64_t n, float* out, int64_t S, Ahead& ahead) {
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2)
+    for (int64_t j = 0; j < n; j += 8) {
+      ahead.step();
+      const float *q0 = rows + r * D, *q1 = q0 + D;
+      __m256 lo = dots2x4<D>(q0, q1, k + j * D), hi = dots2x4<D>(q0, q1, k + (j + 4) * D);
+      _mm256_storeu_ps(out + r * S + j, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(out + (r + 1) * S + j, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+  if (r < R)
+    for (int64_t j = 0; j < n; j += 8) {
+      ahead.step();
+      _mm256_storeu_ps(out + r * S + j, dots8<D>(rows + r * D, k + j * D));
+    }
+}
+
 template <int D, typename T>
 AVX2 void scores_head(const float* rows, int64_t R, const T* keys, int64_t S, float* out) {
-  constexpr int KB = BLOCK_FLOATS / D;
+  constexpr int KB = BLOCK / D;
   constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
-  alignas(32) float buf[BLOCK_FLOATS];
   alignas(32) float tail[8 * D];
-  Ahead ahead(keys, keys + S * D, bytes, (sizeof(T) == 4 ? 0 : bytes / 64) + R * KB / 8);
+  Ahead ahead(keys, keys + S * D, bytes, (R + 1) / 2 * KB / 8);
   for (int64_t s0 = 0; s0 < S; s0 += KB) {
     int64_t n = std::min<int64_t>(KB, S - s0), full = n - n % 8;
     ahead.aim(keys + s0 * D, bytes);
-    const float* k = widened(keys + s0 * D, full * D, buf, ahead);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < full; j += 8) {
-        ahead.step();
-        _mm256_storeu_ps(out + r * S + s0 + j, dots8<D>(rows + r * D, k + j * D));
-      }
+    score_rows<D>(rows, R, keys + s0 * D, full, out + s0, S, ahead);
     if (full < n) {  // the last n % 8 keys: widened into a block of 8 padded with zero keys
       for (int64_t i = 0; i < 8 * D; i += 8)
         _mm256_store_ps(tail + i, i < (n - full) * D ? load8(keys + (s0 + full) * D + i) : _mm256_setzero_ps());
@@ -155,8 +177,8 @@ AVX2 void scores_head(const float* rows, int64_t R, const T* keys, int64_t S, fl
 // out[r] += probs[r, 0:n] . v[0:n] for RT rows, CH chunks of 8 dims at a time: RT x CH sums in
 // registers (at most 12, so that the value chunks and a broadcast weight fit beside them), each
 // value chunk loaded once for the tile, each weight broadcast once per pass over the dims
-template <int D, int RT, int CH>
-AVX2 void mix_tile(const float* p, int64_t S, const float* v, int64_t n, float* out, Ahead& ahead) {
+template <int D, int RT, int CH, typename T>
+AVX2 void mix_tile(const float* p, int64_t S, const T* v, int64_t n, float* out, Ahead& ahead) {
   for (int g = 0; g < D / 8; g += CH) {
     __m256 acc[RT][CH];
     for (int r = 0; r < RT; ++r)
@@ -164,7 +186,7 @@ AVX2 void mix_tile(const float* p, int64_t S, const float* v, int64_t n, float* 
     for (int64_t s = 0; s < n; ++s) {
       ahead.step();
       __m256 x[CH];
-      for (int c = 0; c < CH; ++c) x[c] = _mm256_load_ps(v + s * D + 8 * (g + c));
+      for (int c = 0; c < CH; ++c) x[c] = load8(v + s * D + 8 * (g + c));
       for (int r = 0; r < RT; ++r) {
         __m256 w = _mm256_broadcast_ss(p + r * S + s);
         for (int c = 0; c < CH; ++c) acc[r][c] = _mm256_fmadd_ps(w, x[c], acc[r][c]);
@@ -177,29 +199,42 @@ AVX2 void mix_tile(const float* p, int64_t S, const float* v, int64_t n, float* 
 
 constexpr int MROWS = 6;  // rows per full tile: 6 x 2 sums, 2 value chunks, 1 weight
 
+// the sums per tile's pass over the dims: 8 chunks of 8 dims for one row, 4 for 2-3 rows, 2 beyond
+constexpr int mix_chunks(int64_t rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }
+
+// passes over a block's keys for R rows (each an Ahead step per key)
+template <int D>
+int64_t mix_passes(int64_t R) {
+  int64_t rest = R % MROWS;
+  return R / MROWS * (D / 8 / mix_chunks(MROWS)) + (rest ? D / 8 / mix_chunks(rest) : 0);
+}
+
+// every row's sums += its weights . n values, tile by tile
+template <int D, typename T>
+AVX2 void mix_rows(const float* probs, int64_t R, int64_t S, const T* v, int64_t n, float* out, Ahead& ahead) {
+  int64_t r = 0;
+  for (; r + MROWS <= R; r += MROWS) mix_tile<D, MROWS, mix_chunks(MROWS)>(probs + r * S, S, v, n, out + r * D, ahead);
+  const float* p = probs + r * S;
+  float* o = out + r * D;
+  switch (R - r) {  // fewer rows, more dims per pass: at least 8 independent chains
+    case 5: mix_tile<D, 5, mix_chunks(5)>(p, S, v, n, o, ahead); break;
+    case 4: mix_tile<D, 4, mix_chunks(4)>(p, S, v, n, o, ahead); break;
+    case 3: mix_tile<D, 3, mix_chunks(3)>(p, S, v, n, o, ahead); break;
+    case 2: mix_tile<D, 2, mix_chunks(2)>(p, S, v, n, o, ahead); break;
+    case 1: mix_tile<D, 1, mix_chunks(1)>(p, S, v, n, o, ahead); break;
+  }
+}
+
 template <int D, typename T>
 AVX2 void mix_head(const float* probs, int64_t R, int64_t S, const T* values, float* out) {
-  constexpr int KB = BLOCK_FLOATS / D;
+  constexpr int KB = BLOCK / D;
   constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
-  alignas(32) float buf[BLOCK_FLOATS];
   std::fill(out, out + R * D, 0.0f);
-  int64_t tiles = (R + MROWS - 1) / MROWS;
-  Ahead ahead(values, values + S * D, bytes, (sizeof(T) == 4 ? 0 : bytes / 64) + tiles * KB * D / 16);
+  Ahead ahead(values, values + S * D, bytes, KB * mix_passes<D>(R));
   for (int64_t s0 = 0; s0 < S; s0 += KB) {
     int64_t n = std::min<int64_t>(KB, S - s0);
     ahead.aim(values + s0 * D, bytes);
-    const float* v = widened(values + s0 * D, n * D, buf, ahead);
-    int64_t r = 0;
-    for (; r + MROWS <= R; r += MROWS) mix_tile<D, MROWS, 2>(probs + r * S + s0, S, v, n, out + r * D, ahead);
-    const float* p = probs + r * S + s0;
-    float* o = out + r * D;
-    switch (R - r) {  // fewer rows, more dims per pass: at least 8 independent chains
-      case 5: mix_tile<D, 5, 2>(p, S, v, n, o, ahead); break;
-      case 4: mix_tile<D, 4, 2>(p, S, v, n, o, ahead); break;
-      case 3: mix_tile<D, 3, 4>(p, S, v, n, o, ahead); break;
-      case 2: mix_tile<D, 2, 4>(p, S, v, n, o, ahead); break;
-      case 1: mix_tile<D, 1, 8>(p, S, v, n, o, ahead); break;
-    }
+    mix_rows<D>(probs + s0, R, S, values + s0 * D, n, out, ahead);
   }
 }
 
