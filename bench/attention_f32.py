@@ -83,6 +83,11 @@ def fastest_ms(fn, repeats: int = 3) -> float:
     return min(median_ms(fn, 1) for _ in range(repeats))
 
 
+def each(cache, fn) -> None:
+    for k, v in cache:
+        fn(k, v)
+
+
 def widen_gemm(q: torch.Tensor, probs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, D: int):
     """attention.py's earlier float32 path over a 16-bit cache, products only: per head, widen, GEMM."""
     for h in range(k.shape[0]):
@@ -103,13 +108,15 @@ def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repea
         q = torch.randn(heads, R, dim, generator=g)
         probs = torch.softmax(torch.randn(heads, R, keys, generator=g), dim=-1)
         row = {"rows": R, "keys": keys}
-        row["kernels_f16_scores"] = median_ms(lambda: [f32.scores(q, k) for k, _ in half], repeats)
-        row["kernels_f16_mix"] = median_ms(lambda: [f32.mix(probs, v) for _, v in half], repeats)
+        # each result dropped as the next layer starts, as in a pass: holding 30 layers' scores (250 MB
+        # at 42 rows, 16K keys) measured the allocator's page faults instead
+        row["kernels_f16_scores"] = median_ms(lambda: each(half, lambda k, v: f32.scores(q, k)), repeats)
+        row["kernels_f16_mix"] = median_ms(lambda: each(half, lambda k, v: f32.mix(probs, v)), repeats)
         row["kernels_f16"] = row["kernels_f16_scores"] + row["kernels_f16_mix"]
-        row["kernels_f32"] = median_ms(lambda: [(f32.scores(q, k), f32.mix(probs, v)) for k, v in full], repeats)
-        row["widen_gemm"] = median_ms(lambda: [widen_gemm(q, probs, k, v, dim) for k, v in half], repeats)
-        row["bmm_f32"] = median_ms(lambda: [(torch.bmm(q, k.transpose(1, 2)), torch.bmm(probs, v)) for k, v in full],
-                                   repeats)
+        row["kernels_f32"] = median_ms(lambda: each(full, lambda k, v: (f32.scores(q, k), f32.mix(probs, v))), repeats)
+        row["widen_gemm"] = median_ms(lambda: each(half, lambda k, v: widen_gemm(q, probs, k, v, dim)), repeats)
+        row["bmm_f32"] = median_ms(lambda: each(full, lambda k, v: (torch.bmm(q, k.transpose(1, 2)),
+                                                                     torch.bmm(probs, v))), repeats)
         row["memory_floor_f16"] = memory_floor
         row["compute_floor"] = 2 * R * keys * dim * heads * layers / macs_per_s * 1e3
         out.append(row)

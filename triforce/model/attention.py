@@ -63,8 +63,8 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
         # bf16 on avx512_bf16, float32 rows on avx2 (over a 16-bit cache): one kernel per product, every head
         out = _attend_kernels(kernels, grouped, keys, values, future)
     else:  # CPU bf16 bmm copies a strided batch (a layer's whole live KV, every pass); 2-D GEMMs do not
-        # a 16-bit cache under float32 compute (model/kv_dtype.py) widens one head at a time: the
-        # float32 copy stays in cache while the GEMM reads it, memory sees only the 16-bit read
+        # a 16-bit cache under float32 compute (model/kv_dtype.py) without the avx2 kernels widens one
+        # head at a time: the float32 copy stays in cache while the GEMM reads it
         out = torch.stack([_attend_rows(grouped[h], keys[h].to(q.dtype), values[h].to(q.dtype), future)
                            for h in range(Hkv)])
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
