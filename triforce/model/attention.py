@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention
+from . import decode_attention, decode_attention_f32
 
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
 
@@ -59,27 +59,38 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     future = _future_mask(T, rep, q.device) if T > 1 else None
     if q.is_cuda:  # cuBLAS takes the cache's strided batch of heads as it is
         out = _attend_rows(grouped, keys.to(q.dtype), values.to(q.dtype), future)
-    elif decode_attention.serves(grouped, keys) and _tokens_contiguous(keys) and _tokens_contiguous(values):
-        # bf16 on avx512_bf16: one kernel per product, every head
-        out = _attend_kernels(grouped, keys, values, future)
+    elif _tokens_contiguous(keys) and _tokens_contiguous(values) and (kernels := _kernels_for(grouped, keys)):
+        # bf16 on avx512_bf16, float32 rows on avx2 (over a 16-bit cache): one kernel per product, every head
+        out = _attend_kernels(kernels, grouped, keys, values, future)
     else:  # CPU bf16 bmm copies a strided batch (a layer's whole live KV, every pass); 2-D GEMMs do not
-        # a 16-bit cache under float32 compute (model/kv_dtype.py) widens one head at a time: the
-        # float32 copy stays in cache while the GEMM reads it, memory sees only the 16-bit read
+        # a 16-bit cache under float32 compute (model/kv_dtype.py) without the avx2 kernels widens one
+        # head at a time: the float32 copy stays in cache while the GEMM reads it
         out = torch.stack([_attend_rows(grouped[h], keys[h].to(q.dtype), values[h].to(q.dtype), future)
                            for h in range(Hkv)])
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 
-def _attend_kernels(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future) -> torch.Tensor:
-    """`_attend_rows` for all KV heads at once through decode_attention's kernels, which read the
-    cache at memory speed where bf16 bmm and per-head addmm read it at a third of that (SmolLM2 at 4K,
-    eager: docs/results/2026-11-23-cpu-bytes.md, session 12). Scaled after the product: a power of two
-    for head_dim 64, so exact there."""
+def _kernels_for(rows: torch.Tensor, cache: torch.Tensor):
+    """The CPU kernel module whose two products take these rows against this cache, or None: bf16 rows
+    (decode_attention, avx512_bf16) or float32 rows (decode_attention_f32, avx2)."""
+    if decode_attention.serves(rows, cache):
+        return decode_attention
+    if decode_attention_f32.serves(rows, cache):
+        return decode_attention_f32
+    return None
+
+
+def _attend_kernels(kernels, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future) -> torch.Tensor:
+    """`_attend_rows` for all KV heads at once through a kernel module's two products, which read the
+    cache once at about memory speed where bf16 bmm and per-head addmm read it at a third of that
+    (SmolLM2 at 4K, eager: docs/results/2026-11-23-cpu-bytes.md, session 12), and per-head widening of a
+    16-bit cache wrote and re-read a float32 copy (decode_attention_f32.py). Scaled after the product:
+    a power of two for head_dim 64, so exact there. Softmax in the rows' dtype (float32 inside)."""
     S, D = keys.shape[-2:]
-    scores = decode_attention.scores(rows, keys).mul_(D ** -0.5)
+    scores = kernels.scores(rows, keys).mul_(D ** -0.5)
     if future is not None:
         scores[..., S - future.shape[1]:].masked_fill_(future, float("-inf"))
-    return decode_attention.mix(torch.softmax(scores, dim=-1), values)
+    return kernels.mix(torch.softmax(scores, dim=-1), values)
 
 
 def _tokens_contiguous(cache: torch.Tensor) -> bool:
@@ -97,14 +108,15 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     Hkv = keys.shape[0]
     rep = Hq // Hkv
     grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
-    # bf16 on avx512_bf16: the products as kernels at memory speed (decode_attention.py), else bmm
-    kernels = decode_attention.serves(grouped, keys)
-    scores = (decode_attention.scores(grouped, keys) if kernels
-              else torch.bmm(grouped, keys.transpose(1, 2))).view(Hkv, rep, T, -1)
+    # bf16 on avx512_bf16, float32 on avx2: the products as kernels at about memory speed
+    # (decode_attention.py, decode_attention_f32.py), else bmm
+    kernels = _kernels_for(grouped, keys)
+    scores = (kernels.scores(grouped, keys) if kernels
+              else torch.bmm(grouped, keys.to(q.dtype).transpose(1, 2))).view(Hkv, rep, T, -1)
     # the mask broadcasts over the heads: nothing per layer builds or copies it (compiled, the add
     # rides in the softmax kernel)
     probs = torch.softmax(scores * D ** -0.5 + mask, dim=-1).view(Hkv, rep * T, -1)
-    out = decode_attention.mix(probs, values) if kernels else torch.bmm(probs, values)
+    out = kernels.mix(probs, values) if kernels else torch.bmm(probs, values.to(q.dtype))
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 

@@ -1,10 +1,13 @@
 """How many bits the KV cache stores, apart from the dtype the model computes in.
 
 At long context a decode step on CPU is bound by reading the KV cache (SmolLM2 at 16K: 755 MB of
-float32 KV against 538 MB of float32 weights), so a float32 model may keep its cache in 16 bits and
-widen one KV head at a time inside attention (model/attention.py): memory sees half the bytes, the
-float32 copy of a head lives in cache while the GEMM reads it. Whether that pays depends on how cheaply
-the CPU widens 16-bit values, so it is measured, once per process, like the stored-weights kernel.
+float32 KV against 538 MB of float32 weights), so a float32 model may keep its cache in 16 bits: memory
+sees half the bytes. With avx2, fma and f16c, attention's products read the 16-bit cache directly and
+widen in registers (model/decode_attention_f32.py); elsewhere attention widens one KV head at a time
+(model/attention.py). Whether that pays depends on how cheaply the CPU widens 16-bit values, so it is
+measured, once per process, like the stored-weights kernel: under ATEN_CPU_CAPABILITY=avx2 on the
+EPYC the per-head widening measured 1.08-1.17x a float32 cache (float32 kept, at the 1/0.85 bar), the
+kernels 1.68x for float16 and 1.48x for bfloat16 (16 bits chosen).
 Half precision compute keeps its own dtype for the cache, as before.
 """
 from __future__ import annotations
@@ -54,7 +57,7 @@ def sixteen_bit_kv_pays(kind: torch.dtype = torch.float16, slots: int = 16384) -
 
 @functools.lru_cache(maxsize=None)
 def sixteen_bit_kv_speedup(kind: torch.dtype = torch.float16, slots: int = 16384) -> float:
-    """How much faster float32 attention of one query over a 16-bit cache (widened per head) beats the same
+    """How much faster float32 attention of one query over a 16-bit cache (the kernels, or widened per head) beats the same
     over a float32 cache, timed on 8 layers of SmolLM2's KV shape at `slots` tokens (120 MB of float32,
     more than any last-level cache), alternating the two, best of 3."""
     from .attention import attend

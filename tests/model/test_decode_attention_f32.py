@@ -1,0 +1,161 @@
+"""model/decode_attention_f32.py: float32 rows against a float16/bfloat16/float32 cache, the two
+products against float64, and attention through them (eager, masked, compiled)."""
+import shutil
+
+import pytest
+import torch
+
+from triforce.model import attention
+from triforce.model import decode_attention_f32 as f32
+from tests.model.test_attention import reference
+
+needs_kernels = pytest.mark.skipif(not f32.available(), reason="no avx2/fma/f16c or no C++ compiler: attention keeps its GEMMs")
+
+U = 2.0 ** -24  # float32's unit roundoff
+# Each output is a float32 sum of exact products (widening 16-bit values is exact) in some order. Its
+# error against float64, relative to the sum of the products' magnitudes, came to at most 4.1 U for
+# random data (64-1000 terms; torch.bmm on the widened cache 4.8 U) and 8.6 U for softmax weights over
+# 200 values (bmm 6.9 U): 16 U leaves room for the order of the sums, and a wrong term does not fit.
+BOUND = 16 * U
+
+
+def within_rounding(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """got ~ a @ b computed in float64, error relative to |a| @ |b|."""
+    want = a.double() @ b.double()
+    scale = a.double().abs() @ b.double().abs()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    ratio = ((got.double() - want).abs() / scale.clamp_min(1e-300)).max().item()
+    assert ratio <= BOUND, ratio
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", f32.CACHE_DTYPES)
+@pytest.mark.parametrize("D", f32.HEAD_DIMS)
+@pytest.mark.parametrize("S", [1, 7, 77, 1000])
+@pytest.mark.parametrize("R", [1, 2, 3, 5, 9, 21, 42])
+def test_products_equal_float64(R, S, D, dtype):
+    g = torch.Generator().manual_seed(R * 10000 + S * 10 + D)
+    H = 2
+    rows = torch.randn(H, R, D, generator=g)
+    keys = torch.randn(H, S, D, generator=g).to(dtype)
+    values = torch.randn(H, S, D, generator=g).to(dtype)
+    probs = torch.rand(H, R, S, generator=g)
+    within_rounding(f32.scores(rows, keys), rows, keys.float().transpose(1, 2))
+    within_rounding(f32.mix(probs, values), probs, values.float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", f32.CACHE_DTYPES)
+def test_a_strided_batch_of_heads_and_zero_weights(dtype):
+    """Heads apart by more than their tokens (a layer of a preallocated cache, partly filled), and
+    weights of 0 where softmax met -inf: the masked keys count for nothing."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(3, 300, 64, generator=g).to(dtype)
+    keys, values = cache[:, :200], cache.flip(1)[:, :200].contiguous()
+    rows = torch.randn(3, 6, 64, generator=g)
+    scores = f32.scores(rows, keys)
+    within_rounding(scores, rows, keys.float().transpose(1, 2))
+    scores[..., 150:] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)
+    assert (probs[..., 150:] == 0).all()
+    out = f32.mix(probs, values)
+    within_rounding(out, probs, values.float())
+    within_rounding(out, probs[..., :150], values[:, :150].float())
+
+
+@needs_kernels
+def test_each_dim_and_key_lands_in_place():
+    """One-hot weights and rows pick single values and keys: any permutation of dims or keys shows."""
+    S, D = 77, 128
+    values = torch.arange(S * D, dtype=torch.float32).reshape(1, S, D)
+    for R in (1, 3, 9):
+        probs = torch.zeros(1, R, S)
+        picks = [(7 * r + 3) % S for r in range(R)]
+        for r, s in enumerate(picks):
+            probs[0, r, s] = 1
+        assert torch.equal(f32.mix(probs, values)[0], values[0, picks])
+        rows = torch.zeros(1, R, D)
+        for r in range(R):
+            rows[0, r, (5 * r) % D] = 1
+        assert torch.equal(f32.scores(rows, values)[0], values[0, :, [(5 * r) % D for r in range(R)]].T)
+
+
+def test_serves_float32_rows_on_cpu_only():
+    rows = torch.zeros(3, 3, 64)
+    cache = torch.zeros(3, 10, 64, dtype=torch.float16)
+    assert f32.serves(rows, cache) == f32.available()
+    assert not f32.serves(rows.bfloat16(), cache.bfloat16())
+    assert not f32.serves(rows.double(), cache.double())
+    assert not f32.serves(torch.zeros(3, 3, 48), torch.zeros(3, 10, 48, dtype=torch.float16))
+
+
+def test_the_kernels_build_where_the_cpu_has_avx2_fma_f16c():
+    """Where they can build they must build and pass their own check: a kernel that computes wrongly
+    would otherwise turn into a silent fallback to the GEMMs (and the tests above into skips)."""
+    from triforce.model.kv_dtype import cpu_flags
+
+    if not {"avx2", "fma", "f16c"} <= cpu_flags() or shutil.which("c++") is None:
+        pytest.skip("no avx2/fma/f16c or no C++ compiler")
+    assert f32.available()
+
+
+def attention_inputs(T, heads, D, dtype, S=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv = heads
+    q = torch.randn(T, Hq, D, generator=g)
+    keys = torch.randn(Hkv, S, D, generator=g).to(dtype)
+    values = torch.randn(Hkv, S, D, generator=g).to(dtype)
+    return q, keys, values
+
+
+ATTENTION_TOLERANCE = 1e-5  # outputs of magnitude ~1: float32 sums of a few hundred terms
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((12, 2), 128)])
+def test_attend_through_the_kernels_equals_float64(T, heads, D, dtype, monkeypatch):
+    q, keys, values = attention_inputs(T, heads, D, dtype, seed=T)
+    calls = []
+    kernel = f32.mix
+    monkeypatch.setattr(f32, "mix", lambda probs, v: calls.append(probs.shape) or kernel(probs, v))
+    got = attention.attend(q, keys, values)
+    assert calls == [(heads[1], heads[0] // heads[1] * T, 300)]  # every KV head in one call
+    assert got.dtype == torch.float32
+    assert (got.double() - reference(q, keys.float(), values.float())).abs().max().item() < ATTENTION_TOLERANCE
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_masked_attention_through_the_kernels_equals_float64(T, dtype, monkeypatch):
+    """attend_masked (the static-shape path): the last T slots hold the new tokens, a causal mask."""
+    q, keys, values = attention_inputs(T, (9, 3), 64, dtype, S=120, seed=10 + T)
+    S = keys.shape[1]
+    mask = torch.zeros(T, S).masked_fill_(torch.ones(T, S, dtype=torch.bool).tril(S - T).logical_not(), float("-inf"))
+    calls = []
+    kernel = f32.scores
+    monkeypatch.setattr(f32, "scores", lambda rows, k: calls.append(rows.shape) or kernel(rows, k))
+    got = attention.attend_masked(q, keys, values, mask)
+    assert calls
+    assert (got.double() - reference(q, keys.float(), values.float())).abs().max().item() < ATTENTION_TOLERANCE
+
+
+@needs_kernels
+def test_compiled_attention_calls_the_ops(monkeypatch):
+    """torch.compile (fullgraph) traces through the ops by their registered shapes and runs them."""
+    q, keys, values = attention_inputs(4, (9, 3), 64, torch.float16, S=100, seed=3)
+    S = keys.shape[1]
+    mask = torch.zeros(4, S).masked_fill_(torch.ones(4, S, dtype=torch.bool).tril(S - 4).logical_not(), float("-inf"))
+    calls = []
+    kernel = f32.scores
+    monkeypatch.setattr(f32, "scores", lambda rows, k: calls.append(rows.shape) or kernel(rows, k))
+    compiled = torch.compile(attention.attend_masked, fullgraph=True, dynamic=False)
+    # inductor's FX graph cache does not key on ATEN_CPU_CAPABILITY: a graph cached under avx2 (8-wide
+    # loops) reloaded without it compiles with avx512's 16-wide vectors and stores past its buffers
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got = compiled(q, keys, values, mask)
+    assert calls  # traced through the op
+    assert (got.double() - reference(q, keys.float(), values.float())).abs().max().item() < ATTENTION_TOLERANCE

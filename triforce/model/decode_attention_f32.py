@@ -1,0 +1,393 @@
+"""The two products of decode attention for float32 query rows over a 16-bit (or float32) cache, on
+CPUs with avx2, fma and f16c: scores = rows . keys^T and out = probs . values for each KV head, the
+rows being the query rows that share the head (GQA group x new tokens: 3 in a SmolLM2 decode step,
+21 in a verification pass of 7 tokens, 42 for Qwen2.5-1.5B).
+
+A float32 model on a CPU without avx512_bf16 keeps its KV cache in 16 bits (model/kv_dtype.py). The
+products used to widen each head to float32 with `.to()` and run torch's GEMMs on the copy: memory
+saw the 16-bit read, but the widening wrote and re-read a float32 copy of every head, every layer.
+These kernels read the 16-bit cache itself, a block of keys or values at a time (4-8 KB, in L1 while
+every row runs over it), widening each 8 values in registers as they are loaded (F16C's `vcvtph2ps`
+for float16, a 16-bit shift for bfloat16): memory sees each 16-bit value once per call however many
+rows share it, and no float32 copy is written.
+
+- scores: rows in pairs, 4 keys at a time, each (row, key)'s partial sums in its own vector (8
+  independent FMA chains, each key chunk loaded and widened once for both rows), reduced to one
+  vector of 8 scores by a tree of horizontal adds; no transposition of the keys.
+- mix: per key, each row's weight broadcast and multiply-added into the row's sums; rows in tiles
+  whose sums fit the 16 ymm registers (6 rows x 16 dims, 2-3 x 32, 1 x 64), the sums waiting in the
+  float32 output between blocks.
+
+Both read ahead by software prefetch, spread over the loops that work on the block before.
+
+Exact as bmm on the widened cache is, but for the order of the float32 sums: widening float16 or
+bfloat16 to float32 is exact, and every product and sum is a float32 FMA.
+
+SmolLM2 (30 layers x 3 KV heads x head_dim 64), both products, one thread, ATEN_CPU_CAPABILITY=avx2,
+medians in ms (bench/attention_f32.py, results/attention-f32-avx2.json); "widen" is the earlier path
+(per head `.to(float32)`, then addmm and matmul), the memory floor the float16 keys and values read
+once at one thread's bandwidth (40 GB/s), the compute floor the multiply-adds at FMA's peak (69 G/s):
+
+    keys  rows  float16 cache  widen   float32 cache: kernels  bmm   floor: memory  compute
+    4096     1       2.2         8.1                   5.1      8.4          2.2      0.7
+    4096     3       3.0        12.6                   4.9     13.3          2.2      2.1
+    4096    21      16.1        28.5                  17.7     30.3          2.2     14.4
+   16384     1       9.6        25.9                  21.0     33.6          9.4      2.7
+   16384     3      11.6        48.6                  20.9     56.0          9.4      8.2
+   16384     6      19.5        50.6                  23.1     70.8          9.4     16.4
+   16384    12      38.1        69.5                  42.3     87.8          9.4     32.8
+   16384    21      68.1       112.4                  71.8    121.3          9.4     57.4
+   16384    42     127.6       176.6                 137.8    193.6          9.4    114.8
+
+At 1-3 rows the float16 kernels run at the memory floor (2.7-4.2x faster than widening); past ~6 rows
+they are bound by the multiply-adds, at 85-90% of FMA's peak. Over a float32 cache the same kernels
+beat torch's bmm at every row count (1.4-3x), so they serve float32 caches too.
+
+The C++ is built at first use with torch's extension builder (cached on disk) and registered as torch
+ops (`triforce_decode_f32::scores`, `::mix`) that torch.compile calls as opaque kernels. Where it
+cannot build, or the CPU lacks avx2/fma/f16c, attention keeps its GEMMs.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_kernels
+
+HEAD_DIMS = (64, 128)  # the kernels are unrolled for these
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+SOURCE = r"""
+#include <algorithm>
+
+namespace {
+
+// the cache's element types: two 16-bit kinds told apart by type, float32 as it is
+struct f16 { uint16_t x; };
+struct b16 { uint16_t x; };
+
+template <typename T> AVX2 inline __m256 load8(const T* p);
+template <> AVX2 inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> AVX2 inline __m256 load8<f16>(const f16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <> AVX2 inline __m256 load8<b16>(const b16* p) {  // bfloat16 is float32's upper half
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// Software prefetch of a head's cache, spread over the steps of the loops that work on the block
+// before (asking for a whole block at once, as it starts, stalls on the memory system's queue).
+constexpr int64_t MARGIN = 4096;  // bytes asked for beyond the next block
+
+struct Ahead {
+  const char* next;   // the first line not yet asked for
+  const char* end;    // the head's last byte + 1
+  const char* limit;  // how far the current block's steps go
+  int64_t per_step;   // lines asked for per step
+
+  // block_bytes read per block of `steps` steps; the first two blocks and MARGIN asked for at once
+  Ahead(const void* from, const void* to, int64_t block_bytes, int64_t steps)
+      : next(static_cast<const char*>(from)), end(static_cast<const char*>(to)),
+        per_step(std::max<int64_t>(1, (block_bytes / 64 + steps - 1) / std::max<int64_t>(1, steps))) {
+    aim(from, block_bytes);
+    for (; next < limit; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+
+  // the block at `block` is read now: ask for the one after it and MARGIN beyond
+  void aim(const void* block, int64_t block_bytes) {
+    limit = std::min(end, static_cast<const char*>(block) + 2 * block_bytes + MARGIN);
+  }
+
+  inline void step() {
+    for (int64_t i = 0; i < per_step && next < limit; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
+// Keys and values are taken a block at a time (BLOCK values: 32 keys at head_dim 64, 16 at 128, 4-8 KB)
+// and every row runs over the block while it sits in L1, so memory sees each value once per call.
+// They are widened in registers as they are loaded, again for each row (pair) that reads them: a
+// float32 copy of the block, widened once into an L1 buffer and read by every row, took longer at
+// every row count, its stores and loads costing more than F16C's conversion or bfloat16's shift
+// (SmolLM2 at 16K keys, float16: scores 7.0 ms against 5.9 at 1 row, 29.3 against 20.4 at 12,
+// 89.7 against 69.1 at 42; the values product alike).
+constexpr int BLOCK = 2048;
+
+// ======== scores = rows . keys^T ========
+
+// 8 vectors of partial sums -> one vector of their 8 totals, in order
+AVX2 inline __m256 totals8(const __m256* a) {
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: totals of 4 vectors
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// one row's dot products with 8 consecutive keys: 8 independent FMA chains, the row's chunk loaded
+// once for all 8
+template <int D, typename T>
+AVX2 inline __m256 dots8(const float* q, const T* k) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int c = 0; c < D / 8; ++c) {
+    __m256 qc = _mm256_loadu_ps(q + 8 * c);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, load8(k + j * D + 8 * c), acc[j]);
+  }
+  return totals8(acc);
+}
+
+// two rows' dot products with 4 consecutive keys, lanes (row 0: keys 0-3, row 1: keys 0-3):
+// each key chunk loaded (and widened) once for both rows, 0.75 loads per FMA where one row takes 1.1
+template <int D, typename T>
+AVX2 inline __m256 dots2x4(const float* q0, const float* q1, const T* k) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int c = 0; c < D / 8; ++c) {
+    __m256 a = _mm256_loadu_ps(q0 + 8 * c), b = _mm256_loadu_ps(q1 + 8 * c);
+    for (int j = 0; j < 4; ++j) {
+      __m256 x = load8(k + j * D + 8 * c);
+      acc[j] = _mm256_fmadd_ps(a, x, acc[j]);
+      acc[4 + j] = _mm256_fmadd_ps(b, x, acc[4 + j]);
+    }
+  }
+  return totals8(acc);
+}
+
+// out[r, 0:n] = rows[r] . k[0:n] for every row, n a multiple of 8: rows in pairs, 8 keys a step
+template <int D, typename T>
+AVX2 void score_rows(const float* rows, int64_t R, const T* k, int64_t n, float* out, int64_t S, Ahead& ahead) {
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2)
+    for (int64_t j = 0; j < n; j += 8) {
+      ahead.step();
+      const float *q0 = rows + r * D, *q1 = q0 + D;
+      __m256 lo = dots2x4<D>(q0, q1, k + j * D), hi = dots2x4<D>(q0, q1, k + (j + 4) * D);
+      _mm256_storeu_ps(out + r * S + j, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(out + (r + 1) * S + j, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+  if (r < R)
+    for (int64_t j = 0; j < n; j += 8) {
+      ahead.step();
+      _mm256_storeu_ps(out + r * S + j, dots8<D>(rows + r * D, k + j * D));
+    }
+}
+
+template <int D, typename T>
+AVX2 void scores_head(const float* rows, int64_t R, const T* keys, int64_t S, float* out) {
+  constexpr int KB = BLOCK / D;
+  constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
+  alignas(32) float tail[8 * D];
+  Ahead ahead(keys, keys + S * D, bytes, (R + 1) / 2 * KB / 8);
+  for (int64_t s0 = 0; s0 < S; s0 += KB) {
+    int64_t n = std::min<int64_t>(KB, S - s0), full = n - n % 8;
+    ahead.aim(keys + s0 * D, bytes);
+    score_rows<D>(rows, R, keys + s0 * D, full, out + s0, S, ahead);
+    if (full < n) {  // the last n % 8 keys: widened into a block of 8 padded with zero keys
+      for (int64_t i = 0; i < 8 * D; i += 8)
+        _mm256_store_ps(tail + i, i < (n - full) * D ? load8(keys + (s0 + full) * D + i) : _mm256_setzero_ps());
+      for (int64_t r = 0; r < R; ++r) {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, dots8<D>(rows + r * D, tail));
+        for (int64_t j = 0; j < n - full; ++j) out[r * S + s0 + full + j] = t[j];
+      }
+    }
+  }
+}
+
+// ======== out = probs . values ========
+
+// out[r] += probs[r, 0:n] . v[0:n] for RT rows, CH chunks of 8 dims at a time: RT x CH sums in
+// registers (at most 12, so that the value chunks and a broadcast weight fit beside them), each
+// value chunk loaded once for the tile, each weight broadcast once per pass over the dims
+template <int D, int RT, int CH, typename T>
+AVX2 void mix_tile(const float* p, int64_t S, const T* v, int64_t n, float* out, Ahead& ahead) {
+  for (int g = 0; g < D / 8; g += CH) {
+    __m256 acc[RT][CH];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < CH; ++c) acc[r][c] = _mm256_loadu_ps(out + r * D + 8 * (g + c));
+    for (int64_t s = 0; s < n; ++s) {
+      ahead.step();
+      __m256 x[CH];
+      for (int c = 0; c < CH; ++c) x[c] = load8(v + s * D + 8 * (g + c));
+      for (int r = 0; r < RT; ++r) {
+        __m256 w = _mm256_broadcast_ss(p + r * S + s);
+        for (int c = 0; c < CH; ++c) acc[r][c] = _mm256_fmadd_ps(w, x[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + r * D + 8 * (g + c), acc[r][c]);
+  }
+}
+
+constexpr int MROWS = 6;  // rows per full tile: 6 x 2 sums, 2 value chunks, 1 weight
+
+// the sums per tile's pass over the dims: 8 chunks of 8 dims for one row, 4 for 2-3 rows, 2 beyond
+constexpr int mix_chunks(int64_t rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }
+
+// passes over a block's keys for R rows (each an Ahead step per key)
+template <int D>
+int64_t mix_passes(int64_t R) {
+  int64_t rest = R % MROWS;
+  return R / MROWS * (D / 8 / mix_chunks(MROWS)) + (rest ? D / 8 / mix_chunks(rest) : 0);
+}
+
+// every row's sums += its weights . n values, tile by tile
+template <int D, typename T>
+AVX2 void mix_rows(const float* probs, int64_t R, int64_t S, const T* v, int64_t n, float* out, Ahead& ahead) {
+  int64_t r = 0;
+  for (; r + MROWS <= R; r += MROWS) mix_tile<D, MROWS, mix_chunks(MROWS)>(probs + r * S, S, v, n, out + r * D, ahead);
+  const float* p = probs + r * S;
+  float* o = out + r * D;
+  switch (R - r) {  // fewer rows, more dims per pass: at least 8 independent chains
+    case 5: mix_tile<D, 5, mix_chunks(5)>(p, S, v, n, o, ahead); break;
+    case 4: mix_tile<D, 4, mix_chunks(4)>(p, S, v, n, o, ahead); break;
+    case 3: mix_tile<D, 3, mix_chunks(3)>(p, S, v, n, o, ahead); break;
+    case 2: mix_tile<D, 2, mix_chunks(2)>(p, S, v, n, o, ahead); break;
+    case 1: mix_tile<D, 1, mix_chunks(1)>(p, S, v, n, o, ahead); break;
+  }
+}
+
+template <int D, typename T>
+AVX2 void mix_head(const float* probs, int64_t R, int64_t S, const T* values, float* out) {
+  constexpr int KB = BLOCK / D;
+  constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
+  std::fill(out, out + R * D, 0.0f);
+  Ahead ahead(values, values + S * D, bytes, KB * mix_passes<D>(R));
+  for (int64_t s0 = 0; s0 < S; s0 += KB) {
+    int64_t n = std::min<int64_t>(KB, S - s0);
+    ahead.aim(values + s0 * D, bytes);
+    mix_rows<D>(probs + s0, R, S, values + s0 * D, n, out, ahead);
+  }
+}
+
+// ======== the ops ========
+
+void check_cache(const at::Tensor& cache, int64_t heads, int64_t D) {
+  TORCH_CHECK(cache.dim() == 3 && cache.size(0) == heads && cache.size(2) == D,
+              "cache must be (heads, tokens, head_dim) like the rows");
+  TORCH_CHECK(cache.stride(2) == 1 && cache.stride(1) == D, "each head's tokens must be contiguous");
+  auto t = cache.scalar_type();
+  TORCH_CHECK(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, "cache must be float16, bfloat16 or float32");
+}
+
+// the kernel for this head_dim and cache dtype, run for each head
+template <template <int, typename> class Op, typename... Args>
+void per_head(const at::Tensor& cache, int64_t D, Args... args) {
+  auto t = cache.scalar_type();
+  if (D == 64) {
+    if (t == at::kHalf) Op<64, f16>::run(cache, args...);
+    else if (t == at::kBFloat16) Op<64, b16>::run(cache, args...);
+    else Op<64, float>::run(cache, args...);
+  } else {
+    if (t == at::kHalf) Op<128, f16>::run(cache, args...);
+    else if (t == at::kBFloat16) Op<128, b16>::run(cache, args...);
+    else Op<128, float>::run(cache, args...);
+  }
+}
+
+template <int D, typename T>
+struct ScoresOp {
+  static void run(const at::Tensor& keys, const float* rows, int64_t R, float* out) {
+    int64_t H = keys.size(0), S = keys.size(1);
+    const T* k = reinterpret_cast<const T*>(keys.const_data_ptr());
+    for (int64_t h = 0; h < H; ++h) scores_head<D, T>(rows + h * R * D, R, k + h * keys.stride(0), S, out + h * R * S);
+  }
+};
+
+template <int D, typename T>
+struct MixOp {
+  static void run(const at::Tensor& values, const float* probs, int64_t R, float* out) {
+    int64_t H = values.size(0), S = values.size(1);
+    const T* v = reinterpret_cast<const T*>(values.const_data_ptr());
+    for (int64_t h = 0; h < H; ++h) mix_head<D, T>(probs + h * R * S, R, S, v + h * values.stride(0), out + h * R * D);
+  }
+};
+
+at::Tensor scores(const at::Tensor& rows_in, const at::Tensor& keys) {
+  auto rows = rows_in.contiguous();
+  TORCH_CHECK(rows.dim() == 3 && rows.scalar_type() == at::kFloat, "rows must be float32 (heads, rows, head_dim)");
+  int64_t H = rows.size(0), R = rows.size(1), D = rows.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
+  check_cache(keys, H, D);
+  auto out = at::empty({H, R, keys.size(1)}, rows.options());
+  if (R > 0 && keys.size(1) > 0) per_head<ScoresOp>(keys, D, rows.const_data_ptr<float>(), R, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor mix(const at::Tensor& probs_in, const at::Tensor& values) {
+  auto probs = probs_in.contiguous();
+  TORCH_CHECK(probs.dim() == 3 && probs.scalar_type() == at::kFloat, "probs must be float32 (heads, rows, tokens)");
+  int64_t H = probs.size(0), R = probs.size(1), D = values.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
+  check_cache(values, H, D);
+  TORCH_CHECK(values.size(1) == probs.size(2), "probs must have one weight per cached token");
+  auto out = at::empty({H, R, D}, probs.options());
+  if (values.size(1) == 0) out.zero_();  // no tokens: nothing to mix
+  else if (R > 0) per_head<MixOp>(values, D, probs.const_data_ptr<float>(), R, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(triforce_decode_f32, m) {
+  m.def("scores(Tensor rows, Tensor keys) -> Tensor");
+  m.def("mix(Tensor probs, Tensor values) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triforce_decode_f32, CPU, m) {
+  m.impl("scores", &scores);
+  m.impl("mix", &mix);
+}
+"""
+
+
+@torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
+def available() -> bool:
+    """Whether the kernels build here (avx2, fma, f16c and a C++ compiler) and compute bmm's
+    products on a small case; any failure means attention keeps torch's GEMMs. Asked once per process."""
+    return cpu_kernels.built("triforce_decode_attention_f32", SOURCE, _register_shapes, _self_check,
+                             isa=cpu_kernels.AVX2)
+
+
+def _self_check() -> bool:
+    """1 and 9 rows (the one-tile and tiled value loops), 77 keys (a part block and a part group of
+    8), every cache dtype, against bmm on the widened cache."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in CACHE_DTYPES:
+        cache = torch.randn(2, 77, 64, generator=g).to(dtype)
+        wide = cache.float()
+        for n in (1, 9):
+            rows = torch.randn(2, n, 64, generator=g)
+            probs = torch.rand(2, n, 77, generator=g)
+            if not (torch.allclose(scores(rows, cache), torch.bmm(rows, wide.transpose(1, 2)), rtol=1e-4, atol=1e-4)
+                    and torch.allclose(mix(probs, cache), torch.bmm(probs, wide), rtol=1e-4, atol=1e-4)):
+                return False
+    return True
+
+
+def _register_shapes() -> None:
+    """What the ops return, for torch.compile's tracing (which runs no kernel)."""
+    @torch.library.register_fake("triforce_decode_f32::scores")
+    def _(rows, keys):
+        return rows.new_empty(rows.shape[0], rows.shape[1], keys.shape[1])
+
+    @torch.library.register_fake("triforce_decode_f32::mix")
+    def _(probs, values):
+        return probs.new_empty(probs.shape[0], probs.shape[1], values.shape[2])
+
+
+def serves(rows: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether these kernels take float32 rows (H, R, D) against a cache layer (H, S, D): a 16-bit
+    cache, and a float32 one too (1.4-3x faster than bmm there at 1-42 rows, SmolLM2 at 16K keys)."""
+    return (rows.device.type == "cpu" and rows.dtype == torch.float32 and cache.dtype in CACHE_DTYPES
+            and rows.shape[-1] in HEAD_DIMS and available())
+
+
+def scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """bmm(rows, keys^T) in float32: (H, R, D) float32 rows, (H, S, D) float16/bfloat16/float32 keys,
+    each head's tokens contiguous."""
+    return torch.ops.triforce_decode_f32.scores(rows, keys)
+
+
+def mix(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """bmm(probs, values) in float32: (H, R, S) float32 weights, (H, S, D) float16/bfloat16/float32 values."""
+    return torch.ops.triforce_decode_f32.mix(probs, values)
