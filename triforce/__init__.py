@@ -8,7 +8,27 @@ Importing the package loads nothing heavy: torch and transformers load with the 
 """
 from __future__ import annotations
 
+import getpass
 import importlib
+import os
+import tempfile
+
+
+def _inductor_cache_per_isa() -> None:
+    """torch.compile's on-disk caches do not key on ATEN_CPU_CAPABILITY: a graph built under avx2 and
+    served to a process without it (or the reverse) ran with the other ISA's vector width and wrote
+    past its buffers ("double free or corruption"). A process that sets the capability gets a cache
+    folder of its own, unless it chose one."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user name (a container): any stable name will do
+            user = "user"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability}")
+
+
+_inductor_cache_per_isa()
 
 _EXPORTS = {
     "generate": "triforce.runtime.api", "Result": "triforce.runtime.api", "Settings": "triforce.runtime.settings",
