@@ -46,6 +46,32 @@ def test_products_equal_float64(R, S, D, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("D", f32.HEAD_DIMS)
+@pytest.mark.parametrize("R", [1, 3, 12])
+def test_long_heads_in_spans_over_threads(R, D):
+    """Past 2,048 keys a head's keys go in spans shared by torch's threads (the values product adding
+    its spans' sums): still the float64 product to rounding, and bit for bit the same on 1 thread
+    as on 2 (the spans follow the keys alone), and with heads laid apart in a longer cache."""
+    g = torch.Generator().manual_seed(R + D)
+    S = 5000  # two full spans and a part one
+    rows = torch.randn(3, R, D, generator=g)
+    cache = torch.randn(2, 3, S + 100, D, generator=g).half()
+    keys, values = cache[0, :, :S], cache[1, :, :S]
+    probs = torch.softmax(torch.randn(3, R, S, generator=g), dim=-1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = f32.scores(rows, keys), f32.mix(probs, values)
+        torch.set_num_threads(1)
+        one = f32.scores(rows, keys), f32.mix(probs, values)
+    finally:
+        torch.set_num_threads(threads)
+    within_rounding(two[0], rows, keys.float().transpose(1, 2))
+    within_rounding(two[1], probs, values.float())
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", f32.CACHE_DTYPES)
 def test_a_strided_batch_of_heads_and_zero_weights(dtype):
     """Heads apart by more than their tokens (a layer of a preallocated cache, partly filled), and

@@ -58,6 +58,7 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 SOURCE = r"""
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -171,8 +172,9 @@ AVX2 void score_rows(const float* rows, int64_t R, const T* k, int64_t n, float*
     }
 }
 
+// out[r, 0:S] = rows[r] . keys[0:S] for one head's S keys, out's rows `ld` apart
 template <int D, typename T>
-AVX2 void scores_head(const float* rows, int64_t R, const T* keys, int64_t S, float* out) {
+AVX2 void scores_head(const float* rows, int64_t R, const T* keys, int64_t S, float* out, int64_t ld) {
   constexpr int KB = BLOCK / D;
   constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
   alignas(32) float tail[8 * D];
@@ -180,14 +182,14 @@ AVX2 void scores_head(const float* rows, int64_t R, const T* keys, int64_t S, fl
   for (int64_t s0 = 0; s0 < S; s0 += KB) {
     int64_t n = std::min<int64_t>(KB, S - s0), full = n - n % 8;
     ahead.aim(keys + s0 * D, bytes);
-    score_rows<D>(rows, R, keys + s0 * D, full, out + s0, S, ahead);
+    score_rows<D>(rows, R, keys + s0 * D, full, out + s0, ld, ahead);
     if (full < n) {  // the last n % 8 keys: widened into a block of 8 padded with zero keys
       for (int64_t i = 0; i < 8 * D; i += 8)
         _mm256_store_ps(tail + i, i < (n - full) * D ? load8(keys + (s0 + full) * D + i) : _mm256_setzero_ps());
       for (int64_t r = 0; r < R; ++r) {
         alignas(32) float t[8];
         _mm256_store_ps(t, dots8<D>(rows + r * D, tail));
-        for (int64_t j = 0; j < n - full; ++j) out[r * S + s0 + full + j] = t[j];
+        for (int64_t j = 0; j < n - full; ++j) out[r * ld + s0 + full + j] = t[j];
       }
     }
   }
@@ -246,8 +248,9 @@ AVX2 void mix_rows(const float* probs, int64_t R, int64_t S, const T* v, int64_t
   }
 }
 
+// out[r] = probs[r, 0:S] . values[0:S] for one head's S values, probs' rows `ld` apart
 template <int D, typename T>
-AVX2 void mix_head(const float* probs, int64_t R, int64_t S, const T* values, float* out) {
+AVX2 void mix_head(const float* probs, int64_t R, int64_t S, int64_t ld, const T* values, float* out) {
   constexpr int KB = BLOCK / D;
   constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
   std::fill(out, out + R * D, 0.0f);
@@ -255,8 +258,30 @@ AVX2 void mix_head(const float* probs, int64_t R, int64_t S, const T* values, fl
   for (int64_t s0 = 0; s0 < S; s0 += KB) {
     int64_t n = std::min<int64_t>(KB, S - s0);
     ahead.aim(values + s0 * D, bytes);
-    mix_rows<D>(probs + s0, R, S, values + s0 * D, n, out, ahead);
+    mix_rows<D>(probs + s0, R, ld, values + s0 * D, n, out, ahead);
   }
+}
+
+// ======== heads and spans of keys over torch's threads ========
+
+// A head's keys go in spans of SPAN, the tasks split over torch's threads. The spans depend on the
+// number of keys alone (not on the threads or rows), so every split sums in one order: a head's
+// values product adds its spans' partial sums in span order. Calls with less work than SERIAL_WORK
+// multiply-adds stay on the calling thread (waking OpenMP's sleeping threads costs more).
+constexpr int64_t SPAN = 2048;
+constexpr int64_t SERIAL_WORK = int64_t(1) << 20;
+
+inline int64_t spans(int64_t S) { return (S + SPAN - 1) / SPAN; }
+
+template <typename F>
+void over_tasks(int64_t tasks, int64_t work, const F& task) {
+  if (work < SERIAL_WORK) {
+    for (int64_t t = 0; t < tasks; ++t) task(t);
+    return;
+  }
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) task(t);
+  });
 }
 
 // ======== the ops ========
@@ -287,18 +312,41 @@ void per_head(const at::Tensor& cache, int64_t D, Args... args) {
 template <int D, typename T>
 struct ScoresOp {
   static void run(const at::Tensor& keys, const float* rows, int64_t R, float* out) {
-    int64_t H = keys.size(0), S = keys.size(1);
+    int64_t H = keys.size(0), S = keys.size(1), C = spans(S);
     const T* k = reinterpret_cast<const T*>(keys.const_data_ptr());
-    for (int64_t h = 0; h < H; ++h) scores_head<D, T>(rows + h * R * D, R, k + h * keys.stride(0), S, out + h * R * S);
+    over_tasks(H * C, H * S * R * D, [&](int64_t t) {
+      int64_t h = t / C, s0 = t % C * SPAN;
+      scores_head<D, T>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, std::min(SPAN, S - s0),
+                        out + h * R * S + s0, S);
+    });
   }
 };
 
 template <int D, typename T>
 struct MixOp {
   static void run(const at::Tensor& values, const float* probs, int64_t R, float* out) {
-    int64_t H = values.size(0), S = values.size(1);
+    int64_t H = values.size(0), S = values.size(1), C = spans(S);
     const T* v = reinterpret_cast<const T*>(values.const_data_ptr());
-    for (int64_t h = 0; h < H; ++h) mix_head<D, T>(probs + h * R * S, R, S, v + h * values.stride(0), out + h * R * D);
+    if (C == 1) {  // one span a head: straight into the output
+      over_tasks(H, H * S * R * D, [&](int64_t h) {
+        mix_head<D, T>(probs + h * R * S, R, S, S, v + h * values.stride(0), out + h * R * D);
+      });
+      return;
+    }
+    std::vector<float> parts(H * C * R * D);
+    over_tasks(H * C, H * S * R * D, [&](int64_t t) {
+      int64_t h = t / C, s0 = t % C * SPAN;
+      mix_head<D, T>(probs + h * R * S + s0, R, std::min(SPAN, S - s0), S, v + h * values.stride(0) + s0 * D,
+                     parts.data() + t * R * D);
+    });
+    for (int64_t h = 0; h < H; ++h) {
+      float* o = out + h * R * D;
+      std::copy(parts.data() + h * C * R * D, parts.data() + (h * C + 1) * R * D, o);
+      for (int64_t c = 1; c < C; ++c) {
+        const float* part = parts.data() + (h * C + c) * R * D;
+        for (int64_t i = 0; i < R * D; ++i) o[i] += part[i];
+      }
+    }
   }
 };
 
@@ -345,7 +393,7 @@ def available() -> bool:
     """Whether the kernels build here (avx2, fma, f16c and a C++ compiler) and compute bmm's
     products on a small case; any failure means attention keeps torch's GEMMs. Asked once per process."""
     return cpu_kernels.built("triforce_decode_attention_f32", SOURCE, _register_shapes, _self_check,
-                             isa=cpu_kernels.AVX2)
+                             isa=cpu_kernels.AVX2, openmp=True)
 
 
 def _self_check() -> bool:
