@@ -116,3 +116,17 @@ def test_kernels_build_where_the_cpu_has_avx2():
     if not cpu_kernels.cpu_has(cpu_kernels.AVX2) or shutil.which("c++") is None:
         pytest.skip("no avx2/FMA/F16C or no C++ compiler")
     assert stored_avx2.available()
+
+
+@needs_kernels
+def test_float32_auto_takes_the_stored_weights_without_timing(monkeypatch):
+    """`--weights auto` in float32 is stored wherever these kernels build: no timing that a busy
+    machine could flip (the compiled product, timed, is never asked)."""
+    from triforce.model import gguf_loader, stored_f32
+
+    monkeypatch.setattr(stored_f32, "available", lambda: pytest.fail("timed the compiled route"))
+    gguf_loader.stored_kernel_pays.cache_clear()
+    try:
+        assert gguf_loader.stored_kernel_pays(torch.float32) is True
+    finally:
+        gguf_loader.stored_kernel_pays.cache_clear()
