@@ -13,7 +13,7 @@ load on a shared machine falls on all alike, after one warm-up run each. Per (se
                  tensor summed, best of several)
     ms/token     measured decode time per new token (median over repeats)
 
-Writes results/bytes_floor-<time>.json and prints a table of 88 columns.
+Writes results/bytes_floor-<time>.json and prints a table of 80 columns (wider for setup names past 12 characters).
 """
 from __future__ import annotations
 
@@ -185,12 +185,14 @@ def run_context(args, context: int, bandwidth: float) -> list[dict]:
 
 
 def table(rows: list[dict], bandwidth: float) -> str:
+    """80 columns for setup names of up to 12 characters, wider for longer ones."""
+    width = max([12] + [len(r["setup"]) for r in rows])
     lines = [f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; floor = bytes / bandwidth",
-             f"{'ctx':>6} {'setup':<24} {'mode':<14} {'MB/tok':>7} {'floor':>6} {'ms/tok':>7} "
+             f"{'ctx':>6} {'setup':<{width}} {'mode':<14} {'MB/tok':>7} {'floor':>6} {'ms/tok':>7} "
              f"{'xfloor':>6} {'tok/s':>6} {'=AR':>4}",
-             "-" * 88]
+             "-" * (64 + width)]
     for r in rows:
-        lines.append(f"{r['context']:>6} {r['setup']:<24} {r['mode']:<14} {r['bytes_per_token'] / 1e6:>7.0f} "
+        lines.append(f"{r['context']:>6} {r['setup']:<{width}} {r['mode']:<14} {r['bytes_per_token'] / 1e6:>7.0f} "
                      f"{r['floor_ms_per_token']:>6.1f} {r['ms_per_token']:>7.1f} {r['x_floor']:>6.2f} "
                      f"{r['tokens_per_second']:>6.1f} {'yes' if r['same_as_autoregressive'] else 'NO':>4}")
     return "\n".join(lines)
