@@ -93,6 +93,12 @@ def test_q4_weights_read_back_exactly():
 
 
 @needs_kernels
+def test_no_rows_give_no_outputs():
+    layer = packed_from_blocks(blocks_of("Q4_1", 40, 96, seed=4), torch.float32)
+    assert layer(torch.zeros(0, 96)).shape == (0, 40)
+
+
+@needs_kernels
 def test_many_rows_take_the_dense_weights():
     blocks = blocks_of("Q4_1", 40, 96, seed=4)
     layer = packed_from_blocks(blocks, torch.float32)

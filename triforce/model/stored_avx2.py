@@ -260,7 +260,7 @@ AVX2 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int64
   const uint8_t* rec = records.const_data_ptr<uint8_t>();
   // groups of output rows split over torch's threads (compute-bound past a row or two on avx2); a
   // thread's share is at least GRAIN_WEIGHTS weight-rows of work, so small matrices stay on one
-  const int64_t grain = std::max<int64_t>(1, GRAIN_WEIGHTS / (16 * K * R));
+  const int64_t grain = std::max<int64_t>(1, GRAIN_WEIGHTS / (16 * K * std::max<int64_t>(R, 1)));
   at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
   for (int64_t g = first; g < last; ++g) {
     const uint8_t* group = rec + g * blocks * bytes;
