@@ -140,3 +140,53 @@ def test_a_watched_pass_runs_eagerly(tiny):
     with watch_layers(gen.full.model, advance):
         gen.prefill(ids)
     assert advance.layers > 0 and len(gen.generate()) == 8
+
+
+def test_models_of_one_cache_shape_are_never_served_each_others_graph(tmp_path):
+    """compile_static drops dynamo's guards on the model (thousands: 0.66 ms a call). Two models whose
+    caches have one shape but whose layers differ (hidden and MLP widths) would then pass each other's
+    guards if their passes shared a code object; each pass has its own, so each runs its own graph."""
+    from triforce.speculative.caches import FullCache
+    from triforce.speculative.graphs import HOT_AFTER, GraphedModel
+
+    torch._dynamo.reset()
+    for i, (hidden, heads, inter) in enumerate(((32, 4, 48), (48, 6, 80))):
+        folder = tmp_path / str(i)
+        save_tiny(folder, seed=i, vocab=64, layers=2, hidden=hidden, heads=heads, kv_heads=2, inter=inter)
+        model = load_model(folder, torch.float64)
+        cache, reference = (FullCache(model.kv_shape(), 200, prefill_chunk=64) for _ in range(2))
+        for c in (cache, reference):
+            model(torch.arange(40) + 3, c)
+        compiled = GraphedModel(model, eager_static=True, compiled=True)
+        for step in range(HOT_AFTER + 1):
+            tokens = torch.tensor([3 + step])
+            torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
+        assert compiled.replays == 2  # compiled at the third call, replayed at the fourth
+
+
+def test_a_static_view_hands_the_cpu_kernels_the_16_bit_cache(tmp_path, monkeypatch):
+    """The static view widened a 16-bit layer to float32 before attending, though the CPU attention reads
+    16-bit keys itself: a float32 copy of every layer each pass (compiled on avx2, SmolLM2 at 4K: 6 ms
+    of a 15 ms token, 2x eager at 16K). The view passes the cache as it is, and attends as the eager
+    path does."""
+    import triforce.speculative.graphs as graphs
+    from triforce.speculative.caches import FullCache
+
+    seen = []
+
+    def recording(q, keys, values, mask):
+        seen.append((keys.dtype, values.dtype))
+        return attend_masked(q, keys, values, mask)
+
+    from triforce.model.attention import attend_masked
+    monkeypatch.setattr(graphs, "attend_masked", recording)
+    save_tiny(tmp_path, seed=1, vocab=64, layers=2, hidden=32, heads=4, kv_heads=2, inter=48)
+    model = load_model(tmp_path, torch.float32)
+    model.kv_dtype = torch.float16
+    cache, reference = (FullCache(model.kv_shape(), 200, prefill_chunk=64) for _ in range(2))
+    for c in (cache, reference):
+        model(torch.arange(40) + 3, c)
+    static = graphs.GraphedModel(model, eager_static=True)
+    tokens = torch.tensor([9])
+    torch.testing.assert_close(static(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-5)
+    assert seen == [(torch.float16, torch.float16)] * 2  # each layer, as the cache holds it

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from .graphs import GraphedModel, StaticView, capture_graph
+from .graphs import GraphedModel, StaticView, capture_graph, compile_static
 from .stats import ROUND
 
 FIRST_FEED = 3  # a whole round's first drafter step feeds 3 tokens: 1-3 are new, the rest rewritten
@@ -225,7 +225,7 @@ class RoundGraph:
             proposer.view(name, T)
         self.fn = self._round
         if compiled:
-            self.fn = torch.compile(self._round, fullgraph=True, dynamic=False, options=options)
+            self.fn = compile_static(self._round, options)
         self.graph, self.outputs = None, None
         self.builds = 0  # compilations and captures: the rounds that paid one are not typical
         self.runs = 0
