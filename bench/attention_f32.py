@@ -3,7 +3,9 @@ way an avx2-only CPU runs them: a float32 model over a 16-bit KV cache (model/kv
 x H KV heads x head_dim D at S keys, one thread, medians of several repeats after a warm-up.
 
 Variants:
-  kernels_f16   model/decode_attention_f32.py over a float16 cache (every head in one call)
+  attend_f16    the whole attention in one call (decode_attention_f32.attend: scores, softmax, mix)
+  three_calls   what attention.py ran before attend: scores, a scaling, torch's softmax, mix
+  kernels_f16   model/decode_attention_f32.py's two products over a float16 cache (every head in one call)
   kernels_f32   the same kernels over a float32 cache
   widen_gemm    the earlier path: each head widened with .to(float32), then addmm and matmul
   bmm_f32       torch.bmm over a float32 cache (what a float32 KV cache costs)
@@ -113,6 +115,10 @@ def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repea
         row["kernels_f16_scores"] = median_ms(lambda: each(half, lambda k, v: f32.scores(q, k)), repeats)
         row["kernels_f16_mix"] = median_ms(lambda: each(half, lambda k, v: f32.mix(probs, v)), repeats)
         row["kernels_f16"] = row["kernels_f16_scores"] + row["kernels_f16_mix"]
+        limits = torch.tensor([keys])
+        row["attend_f16"] = median_ms(lambda: each(half, lambda k, v: f32.attend(q, k, v, limits, dim ** -0.5)), repeats)
+        row["three_calls"] = median_ms(lambda: each(half, lambda k, v: f32.mix(
+            torch.softmax(f32.scores(q, k).mul_(dim ** -0.5), dim=-1), v)), repeats)
         row["kernels_f32"] = median_ms(lambda: each(full, lambda k, v: (f32.scores(q, k), f32.mix(probs, v))), repeats)
         row["widen_gemm"] = median_ms(lambda: each(half, lambda k, v: widen_gemm(q, probs, k, v, dim)), repeats)
         row["bmm_f32"] = median_ms(lambda: each(full, lambda k, v: (torch.bmm(q, k.transpose(1, 2)),
@@ -126,17 +132,18 @@ def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repea
 
 def table(rows: list[dict], info: dict, args) -> str:
     lines = [f"float32 rows, {args.layers} layers x {args.heads} KV heads, head_dim {args.dim}, 1 thread: "
-             f"ms per pass (scores + values)",
+             f"ms per pass (attention or its products)",
              f"floors: memory (float16 K+V once) at {info['read_gbs']:.1f} GB/s, compute at "
              f"{info['fma_gmacs']:.0f} G float32 multiply-adds/s",
-             f"{'keys':>6} {'rows':>4} {'kernels':>8} {'(scores':>8} {'values)':>8} {'k/f32':>7} {'widen':>7} "
+             f"{'keys':>6} {'rows':>4} {'attend':>7} {'3 calls':>8} {'kernels':>8} {'k/f32':>7} {'widen':>7} "
              f"{'bmm f32':>8} {'memory':>7} {'compute':>8}"]
     for r in rows:
-        lines.append(f"{r['keys']:>6} {r['rows']:>4} {r['kernels_f16']:8.1f} {r['kernels_f16_scores']:8.1f} "
-                     f"{r['kernels_f16_mix']:8.1f} {r['kernels_f32']:7.1f} {r['widen_gemm']:7.1f} {r['bmm_f32']:8.1f} "
+        lines.append(f"{r['keys']:>6} {r['rows']:>4} {r['attend_f16']:7.1f} {r['three_calls']:8.1f} "
+                     f"{r['kernels_f16']:8.1f} {r['kernels_f32']:7.1f} {r['widen_gemm']:7.1f} {r['bmm_f32']:8.1f} "
                      f"{r['memory_floor_f16']:7.1f} {r['compute_floor']:8.1f}")
-    lines.append("kernels: over a float16 cache; k/f32: the kernels over a float32 cache; widen: per-head .to(float32) "
-                 "+ addmm/matmul over float16; bmm f32: torch.bmm over a float32 cache")
+    lines.append("attend: the whole attention in one call, float16 cache; 3 calls: scores, softmax, mix (before "
+                 "attend);\nkernels: the two products alone; k/f32: them over a float32 cache; widen: per-head "
+                 ".to(float32) + addmm/matmul\nover float16; bmm f32: torch.bmm over a float32 cache")
     return "\n".join(lines)
 
 

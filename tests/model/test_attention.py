@@ -100,9 +100,9 @@ def test_masked_attention_through_the_kernels_equals_bmm(T, heads, D, monkeypatc
     mask = torch.zeros(T, capacity).masked_fill_(torch.arange(capacity)[None] > slots[:, None], float("-inf"))
     mask = mask.bfloat16()
     assert decode_attention.serves(q[:, :Hkv].transpose(0, 1).contiguous(), keys)
-    got = attention.attend_masked(q, keys, values, mask)
+    got = attention.attend_masked(q, keys, values, mask, slots + 1)
     monkeypatch.setattr(decode_attention, "serves", lambda rows, cache: False)
-    want = attention.attend_masked(q, keys, values, mask)
+    want = attention.attend_masked(q, keys, values, mask, slots + 1)
     assert want.abs().max() < 10  # the reference itself kept the stale slots out
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * BF16_ULP, atol=2e-3)
 

@@ -145,10 +145,10 @@ ATTENTION_TOLERANCE = 1e-5  # outputs of magnitude ~1: float32 sums of a few hun
 def test_attend_through_the_kernels_equals_float64(T, heads, D, dtype, monkeypatch):
     q, keys, values = attention_inputs(T, heads, D, dtype, seed=T)
     calls = []
-    kernel = f32.mix
-    monkeypatch.setattr(f32, "mix", lambda probs, v: calls.append(probs.shape) or kernel(probs, v))
+    kernel = f32.attend
+    monkeypatch.setattr(f32, "attend", lambda rows, *args: calls.append(rows.shape) or kernel(rows, *args))
     got = attention.attend(q, keys, values)
-    assert calls == [(heads[1], heads[0] // heads[1] * T, 300)]  # every KV head in one call
+    assert calls == [(heads[1], heads[0] // heads[1] * T, D)]  # every KV head in one call
     assert got.dtype == torch.float32
     assert (got.double() - reference(q, keys.float(), values.float())).abs().max().item() < ATTENTION_TOLERANCE
 
@@ -162,9 +162,9 @@ def test_masked_attention_through_the_kernels_equals_float64(T, dtype, monkeypat
     S = keys.shape[1]
     mask = torch.zeros(T, S).masked_fill_(torch.ones(T, S, dtype=torch.bool).tril(S - T).logical_not(), float("-inf"))
     calls = []
-    kernel = f32.scores
-    monkeypatch.setattr(f32, "scores", lambda rows, k: calls.append(rows.shape) or kernel(rows, k))
-    got = attention.attend_masked(q, keys, values, mask)
+    kernel = f32.attend
+    monkeypatch.setattr(f32, "attend", lambda rows, *args: calls.append(rows.shape) or kernel(rows, *args))
+    got = attention.attend_masked(q, keys, values, mask, torch.arange(S - T + 1, S + 1))
     assert calls
     assert (got.double() - reference(q, keys.float(), values.float())).abs().max().item() < ATTENTION_TOLERANCE
 
@@ -176,12 +176,98 @@ def test_compiled_attention_calls_the_ops(monkeypatch):
     S = keys.shape[1]
     mask = torch.zeros(4, S).masked_fill_(torch.ones(4, S, dtype=torch.bool).tril(S - 4).logical_not(), float("-inf"))
     calls = []
-    kernel = f32.scores
-    monkeypatch.setattr(f32, "scores", lambda rows, k: calls.append(rows.shape) or kernel(rows, k))
+    kernel = f32.attend
+    monkeypatch.setattr(f32, "attend", lambda rows, *args: calls.append(rows.shape) or kernel(rows, *args))
     compiled = torch.compile(attention.attend_masked, fullgraph=True, dynamic=False)
     # inductor's FX graph cache does not key on ATEN_CPU_CAPABILITY: a graph cached under avx2 (8-wide
     # loops) reloaded without it compiles with avx512's 16-wide vectors and stores past its buffers
     with torch._inductor.config.patch(fx_graph_cache=False):
-        got = compiled(q, keys, values, mask)
+        got = compiled(q, keys, values, mask, torch.arange(S - 3, S + 1))
     assert calls  # traced through the op
     assert (got.double() - reference(q, keys.float(), values.float())).abs().max().item() < ATTENTION_TOLERANCE
+
+
+# ---------------------------------------------------------------- attention whole in one call (attend)
+
+def attend_reference(rows, keys, values, limits, scale):
+    """softmax(scale * rows . keys^T) . values in float64 under the prefix limits, and the same with
+    every value's magnitude (what rounding errors scale with)."""
+    T = limits.numel()
+    token = torch.arange(rows.shape[1]) % T
+    scores = rows.double() @ keys.double().transpose(1, 2) * scale
+    hidden = torch.arange(keys.shape[1])[None, :] >= limits[token][:, None]
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return probs @ values.double(), probs @ values.double().abs()
+
+
+# The error of attend's output against float64, relative to softmax . |values|: the scores' float32
+# sums (a few U of sum |q k| each, moved into the weights by exp), exp's polynomial (about 1 U), the
+# weights' and values' sums and the spans' merge. Measured at most 6.9 U over the cases below (S up to
+# 5,000, 1-42 rows, every cache dtype), where torch's float32 softmax and bmm came to 8.4 U; 64 U
+# leaves room for orders of summation, and a wrong or missing term (a weight off by 1/5,000) does not fit.
+ATTEND_BOUND = 64 * U
+
+
+def attend_inputs(H, R, S, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(H, R, D, generator=g)
+    keys = torch.randn(H, S, D, generator=g).to(dtype)
+    values = torch.randn(H, S, D, generator=g).to(dtype)
+    return rows, keys, values
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", f32.CACHE_DTYPES)
+@pytest.mark.parametrize("D", f32.HEAD_DIMS)
+@pytest.mark.parametrize("S", [1, 9, 77, 1000, 2051, 5000])
+@pytest.mark.parametrize("rep,T", [(1, 1), (3, 1), (3, 4), (3, 7), (6, 7)])
+def test_attend_equals_float64(rep, T, S, D, dtype):
+    """Every token sees the keys up to its own (the last T are the new tokens); at 2,051 keys and 7
+    tokens the earliest of them see nothing of the second span."""
+    if T > S:
+        pytest.skip("fewer keys than new tokens")
+    rows, keys, values = attend_inputs(2, rep * T, S, D, dtype, seed=rep * 1000 + T * 100 + S + D)
+    limits = torch.arange(S - T + 1, S + 1)
+    got = f32.attend(rows, keys, values, limits, D ** -0.5)
+    want, scale = attend_reference(rows, keys, values, limits, D ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == want.shape and torch.isfinite(got).all()
+    ratio = ((got.double() - want).abs() / scale).max().item()
+    assert ratio <= ATTEND_BOUND, ratio / U
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", f32.CACHE_DTYPES)
+def test_attend_reads_nothing_past_the_limits(dtype):
+    """A static view's layer: slots past each token's own hold stale keys and values (huge here) and
+    must count for nothing; the output is bit for bit that of the cache cut at the limits."""
+    rows, keys, values = attend_inputs(3, 9, 6000, 64, dtype, seed=7)
+    keys[:, 4100:] = 300.0
+    values[:, 4100:] = 1e4
+    limits = torch.tensor([4098, 4099, 4100])  # 3 tokens, slots 4097-4099
+    got = f32.attend(rows, keys, values, limits, 0.125)
+    cut = f32.attend(rows, keys[:, :4100].contiguous(), values[:, :4100].contiguous(), limits, 0.125)
+    assert torch.equal(got, cut) and got.abs().max() < 10
+
+
+@needs_kernels
+@pytest.mark.parametrize("rep,T", [(3, 4), (3, 7), (6, 7)])
+def test_attend_gives_each_row_its_one_token_bits(rep, T):
+    """A verification pass of T tokens gives each token exactly what a pass of that token alone gives
+    (greedy speculative decoding equals plain decoding only if they agree bit for bit), and 1 and 2
+    threads agree (the spans follow the keys alone)."""
+    S = 5000
+    rows, keys, values = attend_inputs(3, rep * T, S, 64, torch.float16, seed=T)
+    limits = torch.arange(S - T + 1, S + 1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = f32.attend(rows, keys, values, limits, 0.125)
+        torch.set_num_threads(1)
+        one = f32.attend(rows, keys, values, limits, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    grouped = rows.view(3, rep, T, 64)
+    for t in range(T):
+        alone = f32.attend(grouped[:, :, t].contiguous(), keys, values, limits[t:t + 1], 0.125)
+        assert torch.equal(alone, two.view(3, rep, T, 64)[:, :, t])

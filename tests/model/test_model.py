@@ -78,3 +78,28 @@ def test_identical_tokenizer_files_need_no_second_load(tmp_path):
     assert not same_tokenizer_files(tmp_path / "a", tmp_path / "c")  # then the vocabularies are compared
     (tmp_path / "b" / "tokenizer_config.json").unlink()
     assert not same_tokenizer_files(tmp_path / "a", tmp_path / "b")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rounds_as_the_reference(dtype):
+    """float32 takes the weight inside torch's rms_norm (one call fewer a norm): the same bits as the
+    reference's separate product. A 16-bit model rounds the normalized value to its dtype before the
+    weight's product, as transformers' Llama does."""
+    from triforce.model.transformer import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+    norm = norm.to(dtype)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    reference = norm.weight * (x.float() * torch.rsqrt(variance + 1e-5)).to(dtype)
+    with torch.no_grad():
+        got = norm(x)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, norm.weight * torch.nn.functional.rms_norm(x, (576,), eps=1e-5))
+        torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, reference)

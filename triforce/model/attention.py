@@ -85,8 +85,12 @@ def _attend_kernels(kernels, rows: torch.Tensor, keys: torch.Tensor, values: tor
     cache once at about memory speed where bf16 bmm and per-head addmm read it at a third of that
     (SmolLM2 at 4K, eager: docs/results/2026-11-23-cpu-bytes.md, session 12), and per-head widening of a
     16-bit cache wrote and re-read a float32 copy (decode_attention_f32.py). Scaled after the product:
-    a power of two for head_dim 64, so exact there. Softmax in the rows' dtype (float32 inside)."""
+    a power of two for head_dim 64, so exact there. Softmax in the rows' dtype (float32 inside).
+    Float32 rows take the whole attention as one call (decode_attention_f32.attend)."""
     S, D = keys.shape[-2:]
+    if kernels is decode_attention_f32:  # one call: scores, softmax and mix (a float32 softmax pass was 30% of it)
+        T = 1 if future is None else future.shape[1]
+        return kernels.attend(rows, keys, values, torch.arange(S - T + 1, S + 1), D ** -0.5)
     scores = kernels.scores(rows, keys).mul_(D ** -0.5)
     if future is not None:
         scores[..., S - future.shape[1]:].masked_fill_(future, float("-inf"))
@@ -99,9 +103,12 @@ def _tokens_contiguous(cache: torch.Tensor) -> bool:
     return cache.stride(2) == 1 and cache.stride(1) == cache.shape[2]
 
 
-def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  limits: torch.Tensor) -> torch.Tensor:
     """Attention of T queries (T, Hq, D) against every slot of a cache layer (Hkv, S, D) under an
     additive mask (T, S) of 0 and -inf: the static-shape form (speculative/graphs.py's views), on CPU.
+    The mask is a prefix per query: query t sees the first limits[t] slots ((T,) int64), which the
+    float32 kernel takes instead (it never reads the slots past them).
     The query heads sharing a KV head are rows of one product, as in `_attend_grouped`: torch's CPU
     SDPA with a mask took 3.3 ms for one bf16 query against 4,200 keys (9 heads), this 0.17 ms."""
     T, Hq, D = q.shape
@@ -111,6 +118,9 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     # bf16 on avx512_bf16, float32 on avx2: the products as kernels at about memory speed
     # (decode_attention.py, decode_attention_f32.py), else bmm
     kernels = _kernels_for(grouped, keys)
+    if kernels is decode_attention_f32:
+        out = kernels.attend(grouped, keys, values, limits, D ** -0.5)
+        return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
     scores = (kernels.scores(grouped, keys) if kernels
               else torch.bmm(grouped, keys.to(q.dtype).transpose(1, 2))).view(Hkv, rep, T, -1)
     # the mask broadcasts over the heads: nothing per layer builds or copies it (compiled, the add

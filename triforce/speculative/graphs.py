@@ -61,6 +61,7 @@ class StaticView:
         self.layer_k, self.layer_v = list(cache.k.unbind(0)), list(cache.v.unbind(0))
         # additive (0 or -inf) in the attention's dtype, so no layer converts it either
         self.mask = torch.zeros(T, cache.capacity, dtype=cache.k.dtype, device=device)
+        self.limits = torch.zeros(T, dtype=torch.long, device=device)  # the mask as counts: slots + 1
 
     def set(self, positions: torch.Tensor, start: int) -> None:
         """Point the view at this call's RoPE positions and the slots [start, start + T)."""
@@ -71,6 +72,7 @@ class StaticView:
         # the causal mask, once per pass and inside the graph; every layer reads it. A query sees every
         # slot up to its own: earlier tokens, never later ones or stale slots
         self.mask.fill_(0).masked_fill_(self.key_slots[None, :] > self.slots[:, None], float("-inf"))
+        torch.add(self.slots, 1, out=self.limits)
         return self.positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,7 @@ class StaticView:
             # the cache as it is: the CPU kernels read 16-bit keys themselves, and attend_masked widens
             # only where none serves. Widening here wrote a float32 copy of every layer each pass
             # (compiled, SmolLM2 at 4K on avx2: 6 ms of a 15 ms token; 2x eager at 16K)
-            return attend_masked(q, keys, values, self.mask.to(q.dtype))
+            return attend_masked(q, keys, values, self.mask.to(q.dtype), self.limits)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                              attn_mask=self.mask.to(q.dtype), enable_gqa=True)
