@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, decode_attention_f32
+from . import decode_attention, decode_attention_f32, layer_ops
 
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
 
@@ -35,6 +35,23 @@ def backend(q: torch.Tensor) -> str:
     if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return "flash-attn"
     return "sdpa" if q.shape[0] >= SDPA_MIN_QUERIES else "grouped-matmul"
+
+
+def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, layer: int, start: int) -> torch.Tensor:
+    """The new tokens' k, v (T, Hkv, D) into the buffers (layers, Hkv, slots, D) at slots
+    [start, start + T) of `layer`, then `attend` of their queries over the slots up to them.
+    Eager on CPU, where a kernel module serves (bf16 rows on avx512_bf16, float32 on avx2), both are one
+    call (`cache_attend`): the write, the views and the grouping were ~20 of a layer's ~50 torch ops.
+    The same bits either way: the same rounding into the cache, the same kernels."""
+    T = k.shape[0]
+    if T < SDPA_MIN_QUERIES and not q.is_cuda and layer_ops.enabled and not torch.compiler.is_compiling():
+        for kernels in (decode_attention, decode_attention_f32):  # bf16 on avx512_bf16, float32 on avx2
+            if kernels.serves(q, cache_k):
+                return kernels.cache_attend(q, k, v, cache_k, cache_v, layer, start, q.shape[-1] ** -0.5)
+    cache_k[layer, :, start:start + T] = k.transpose(0, 1)
+    cache_v[layer, :, start:start + T] = v.transpose(0, 1)
+    return attend(q, cache_k[layer, :, :start + T], cache_v[layer, :, :start + T])
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

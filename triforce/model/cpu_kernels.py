@@ -77,24 +77,24 @@ _BUILT: dict[str, bool] = {}
 
 
 def built(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
-          isa: frozenset[str] = AVX512_BF16, openmp: bool = False) -> bool:
+          isa: frozenset[str] = AVX512_BF16, openmp: bool = False, cflags: tuple[str, ...] = ()) -> bool:
     """Whether the extension `name` (PRELUDE + source) builds here, its ops' shapes registered for
     torch.compile, and passes `check` on a small case; only where the CPU has `isa`, the
     instructions its code uses. `openmp`: built with OpenMP, so that at::parallel_for splits work
     over torch's threads (the libgomp torch loaded serves it: same soname). Built and checked once
     per process: any failure (no compiler, no headers, an ISA the build rejects, a wrong result)
-    means False."""
+    means False. `cflags`: the compiler's further flags."""
     if name not in _BUILT:
-        _BUILT[name] = cpu_has(isa) and _build_and_check(name, source, register_shapes, check, openmp)
+        _BUILT[name] = cpu_has(isa) and _build_and_check(name, source, register_shapes, check, openmp, cflags)
     return _BUILT[name]
 
 
 def _build_and_check(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
-                     openmp: bool) -> bool:
+                     openmp: bool, cflags: tuple[str, ...] = ()) -> bool:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        flags = ["-O3", "-fopenmp"] if openmp else ["-O3"]
+        flags = (["-O3", "-fopenmp"] if openmp else ["-O3"]) + list(cflags)
         # the source's hash in the build's name: checkouts with different sources (two branches, two
         # versions) keep a build each instead of rebuilding one another's (~16 s each time)
         digest = hashlib.sha256((PRELUDE + source + " ".join(flags)).encode()).hexdigest()[:10]

@@ -43,6 +43,7 @@ from . import cpu_kernels
 HEAD_DIMS = (64, 128)  # the kernels are unrolled for these
 
 SOURCE = r"""
+#include <ATen/ScalarOps.h>
 #include <algorithm>
 #include <vector>
 
@@ -440,16 +441,47 @@ at::Tensor mix(const at::Tensor& probs_in, const at::Tensor& values) {
   return out;
 }
 
+// The new tokens' keys and values into the cache (L, H, S, D), then attention.py's grouped attention
+// of their queries over the first start + T slots: the same ATen ops and kernels in the same order
+// (so the same bits), called from here rather than as ~20 small torch calls a layer from Python.
+at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
+                        at::Tensor cache_v, int64_t layer, int64_t start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (tokens, heads, head_dim)");
+  int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), H = k.size(1);
+  TORCH_CHECK(H > 0 && Hq % H == 0 && k.size(0) == T && v.size(0) == T && v.size(1) == H, "q, k, v disagree");
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.sizes() == cache_v.sizes() && cache_k.size(1) == H &&
+              cache_k.size(3) == D, "caches must be (layers, kv_heads, slots, head_dim)");
+  TORCH_CHECK(0 <= layer && layer < cache_k.size(0) && 0 <= start && start + T <= cache_k.size(2),
+              "layer or slots out of the cache");
+  int64_t S = start + T, rep = Hq / H;
+  auto keys = cache_k.select(0, layer), values = cache_v.select(0, layer);
+  keys.narrow(1, start, T).copy_(k.transpose(0, 1));
+  values.narrow(1, start, T).copy_(v.transpose(0, 1));
+  keys = keys.narrow(1, 0, S);
+  values = values.narrow(1, 0, S);
+  auto rows = q.view({T, H, rep, D}).permute({1, 2, 0, 3}).reshape({H, rep * T, D});
+  // the scale as Python passes a float, a wrapped double (mul_.Scalar rounds it to bf16 first)
+  auto weights = scores(rows, keys).mul_(at::native::wrapped_scalar_tensor(scale));
+  if (T > 1)  // only the last T keys can be in a row's future
+    weights.narrow(-1, S - T, T).masked_fill_(at::ones({T, T}, q.options().dtype(at::kBool)).triu(1).repeat({rep, 1}),
+                                              -INFINITY);
+  auto out = mix(at::softmax(weights, -1), values);
+  return out.view({H, rep, T, D}).permute({2, 0, 1, 3}).reshape({T, Hq * D});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triforce_decode, m) {
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
+  m.def("cache_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, int layer, int start, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
   m.impl("scores", &scores);
   m.impl("mix", &mix);
+  m.impl("cache_attend", &cache_attend);
 }
 """
 
@@ -485,6 +517,10 @@ def _register_shapes() -> None:
     def _(probs, values):
         return probs.new_empty(probs.shape[0], probs.shape[1], values.shape[2])
 
+    @torch.library.register_fake("triforce_decode::cache_attend")
+    def _(q, k, v, cache_k, cache_v, layer, start, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
 
 def serves(rows: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether these kernels take rows (H, R, D) against a cache layer (H, S, D): any number of rows
@@ -501,3 +537,12 @@ def scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def mix(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """bmm(probs, values): (H, R, S) bf16 weights, (H, S, D) bf16 values."""
     return torch.ops.triforce_decode.mix(probs, values)
+
+
+def cache_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                 layer: int, start: int, scale: float) -> torch.Tensor:
+    """The T new tokens' bf16 keys and values (T, Hkv, D) into a cache's buffers (L, Hkv, S, D) at
+    [layer, :, start:start + T], then attention.py's grouped attention of their queries (T, Hq, D)
+    through `scores`, torch's softmax and `mix` over the first start + T slots -> (T, Hq * D): the
+    same ops in one call from Python, where they were ~20 a layer."""
+    return torch.ops.triforce_decode.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale)

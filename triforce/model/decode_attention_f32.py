@@ -522,18 +522,95 @@ at::Tensor attend(const at::Tensor& rows_in, const at::Tensor& keys, const at::T
   return out;
 }
 
+// ======== a decode layer's cache write and attention in one call ========
+
+// what torch's copy_ does to a float32 value going into the cache: round to nearest even
+template <typename T> inline T narrowed(float x);
+template <> inline float narrowed<float>(float x) { return x; }
+template <> inline f16 narrowed<f16>(float x) { return f16{c10::Half(x).x}; }
+template <> inline b16 narrowed<b16>(float x) { return b16{c10::BFloat16(x).x}; }
+
+// rows (T, H, D), any token and head strides, into cache (L, H, S, D) at [layer, :, start:start + T]
+template <typename T>
+void store(const at::Tensor& rows, const at::Tensor& cache, int64_t layer, int64_t start) {
+  int64_t tokens = rows.size(0), H = rows.size(1), D = rows.size(2);
+  const float* x = rows.const_data_ptr<float>();
+  T* c = reinterpret_cast<T*>(cache.data_ptr()) + layer * cache.stride(0) + start * D;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* from = x + t * rows.stride(0) + h * rows.stride(1);
+      T* to = c + h * cache.stride(1) + t * D;
+      for (int64_t d = 0; d < D; ++d) to[d] = narrowed<T>(from[d]);
+    }
+}
+
+// The new tokens' keys and values into the cache, then their queries' attention over the cache's
+// first start + T tokens, token t seeing start + t + 1: what `attend` computes for the grouped rows,
+// with the row grouping, the cache views, the limits and the output's layout done here rather than
+// as some twenty small torch ops per layer (a decode step's host cost, not its bytes).
+at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
+                        at::Tensor cache_v, int64_t layer, int64_t start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "q, k, v must be float32 (tokens, heads, head_dim)");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
+  int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), H = k.size(1);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == H && k.size(2) == D && v.size(2) == D &&
+              H > 0 && Hq % H == 0, "q, k, v disagree");
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.is_contiguous() && cache_v.is_contiguous() &&
+              cache_k.sizes() == cache_v.sizes() && cache_k.scalar_type() == cache_v.scalar_type() &&
+              cache_k.size(1) == H && cache_k.size(3) == D, "caches must be (layers, kv_heads, slots, head_dim)");
+  TORCH_CHECK(0 <= layer && layer < cache_k.size(0) && 0 <= start && start + T <= cache_k.size(2),
+              "layer or slots out of the cache");
+  auto dtype = cache_k.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "cache must be float16, bfloat16 or float32");
+  for (const auto& [rows, cache] : {std::pair{k, cache_k}, std::pair{v, cache_v}}) {
+    if (dtype == at::kHalf) store<f16>(rows, cache, layer, start);
+    else if (dtype == at::kBFloat16) store<b16>(rows, cache, layer, start);
+    else store<float>(rows, cache, layer, start);
+  }
+  int64_t rep = Hq / H, R = rep * T;
+  // rows (H, rep * T, D) ordered (kv head, query head in its group, token), as attention.py groups them
+  auto rows = at::empty({H, R, D}, q.options());
+  float* g = rows.data_ptr<float>();
+  const float* qd = q.const_data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t j = 0; j < rep; ++j)
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(g + ((h * rep + j) * T + t) * D, qd + t * q.stride(0) + (h * rep + j) * q.stride(1), D * sizeof(float));
+  std::vector<int64_t> limits(T);
+  for (int64_t t = 0; t < T; ++t) limits[t] = start + t + 1;
+  auto keys = cache_k.select(0, layer).narrow(1, 0, start + T);
+  auto values = cache_v.select(0, layer).narrow(1, 0, start + T);
+  auto grouped = at::empty({H, R, D}, q.options());
+  if (T > 0) per_head<AttendOp>(keys, D, values, rows.const_data_ptr<float>(), R, limits.data(), T, float(scale),
+                                grouped.data_ptr<float>());
+  // (H, rep, T, D) -> (T, Hq * D)
+  auto out = at::empty({T, Hq * D}, q.options());
+  const float* o = grouped.const_data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < Hq; ++i)
+      std::memcpy(out.data_ptr<float>() + (t * Hq + i) * D, o + (i * T + t) * D, D * sizeof(float));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triforce_decode_f32, m) {
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
   m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
+  m.def("cache_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, int layer, int start, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triforce_decode_f32, CPU, m) {
   m.impl("scores", &scores);
   m.impl("mix", &mix);
   m.impl("attend", &attend);
+  m.impl("cache_attend", &cache_attend);
 }
 """
 
@@ -576,6 +653,10 @@ def _register_shapes() -> None:
     def _(rows, keys, values, limits, scale):
         return rows.new_empty(rows.shape)
 
+    @torch.library.register_fake("triforce_decode_f32::cache_attend")
+    def _(q, k, v, cache_k, cache_v, layer, start, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
 
 def serves(rows: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether these kernels take float32 rows (H, R, D) against a cache layer (H, S, D): a 16-bit
@@ -601,3 +682,12 @@ def attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits:
     (H, R, D) float32 rows, row r being token r % T of its head's query group, token t seeing the
     first limits[t] keys ((T,) int64); (H, S, D) float16/bfloat16/float32 keys and values."""
     return torch.ops.triforce_decode_f32.attend(rows, keys, values, limits, scale)
+
+
+def cache_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                 layer: int, start: int, scale: float) -> torch.Tensor:
+    """The T new tokens' keys and values (T, Hkv, D) float32 into a cache's buffers (L, Hkv, S, D) at
+    [layer, :, start:start + T] (rounded to the cache's dtype as copy_ rounds), then `attend` for their
+    queries (T, Hq, D) over the first start + T slots, token t seeing start + t + 1 -> (T, Hq * D):
+    one call where the write, the grouping of the rows and the views were ~20 torch ops a layer."""
+    return torch.ops.triforce_decode_f32.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale)

@@ -99,14 +99,15 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        flat = x.dim() == 2  # the model's (tokens, features): no reshapes, each an op an eager layer pays 4 times
+        rows = x if flat else x.reshape(-1, x.shape[-1])
         kernels = self._records_kernels(rows)
         if kernels is not None:
             product = kernels.q4_product if self.block_kernel == "q4" else kernels.q8_product
             out = product(rows, self.block_records, self.out_features)
             if self.bias is not None:
                 out = out + self.bias
-            return out.reshape(*x.shape[:-1], self.out_features)
+            return out if flat else out.reshape(*x.shape[:-1], self.out_features)
         if self.compiled_f32 and x.dtype == torch.float32 and rows.shape[0] <= F32_ROWS_MAX and x.device.type == "cpu":
             out = stored_f32.rows_product(torch.cat([rows] * self.repeat, dim=-1), self.codes, self.scales, self.zeros)
             if self.bias is not None:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import layer_ops
 from .kv import KVShape
 from .config import ModelConfig
 from .rope import Rotary, apply_rotary
@@ -22,8 +23,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the weight inside: the same float32 products, one call fewer
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            if layer_ops.serves(x):  # eager on CPU: one call where torch's rms_norm is 6 kernels
+                return layer_ops.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the weight inside: one call fewer
         # float32 statistics, as the reference implementations do, then back to the model dtype and
         # times the weight in it (a 16-bit model rounds twice, as they do)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -40,9 +43,11 @@ class Attention(nn.Module):
         T, D = x.shape[0], self.head_dim
         qk_heads = self.n_heads + self.n_kv_heads
         qkv = self.wqkv(x)
-        # q and k sit side by side in the fused projection: one rotation for both
-        q, k = apply_rotary(qkv[:, :qk_heads * D].view(T, qk_heads, D), cos, sin).split(
-            [self.n_heads, self.n_kv_heads], dim=1)
+        if layer_ops.serves(qkv):  # eager on CPU: one call, the same bits, where torch's ops are 11
+            q, k = layer_ops.rotary_qk(qkv, cos, sin, self.n_heads, self.n_kv_heads)
+        else:  # q and k sit side by side in the fused projection: one rotation for both
+            q, k = apply_rotary(qkv[:, :qk_heads * D].view(T, qk_heads, D), cos, sin).split(
+                [self.n_heads, self.n_kv_heads], dim=1)
         out = cache.attend(layer, q, k, qkv[:, qk_heads * D:].view(T, self.n_kv_heads, D))
         return self.wo(out)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from triforce.model.attention import attend
+from triforce.model.attention import store_and_attend
 from triforce.model.errors import UserError
 from triforce.model.kv import KVShape
 
@@ -31,11 +31,7 @@ class SlotCache:
         return self.k.shape[2]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        T = k.shape[0]
-        start = self.used
-        self.k[layer, :, start:start + T] = k.transpose(0, 1)
-        self.v[layer, :, start:start + T] = v.transpose(0, 1)
-        return attend(q, self.k[layer, :, :start + T], self.v[layer, :, :start + T])
+        return store_and_attend(q, k, v, self.k, self.v, layer, self.used)
 
     def end(self, T: int) -> None:
         self.used += T
