@@ -82,6 +82,7 @@ def run(model, context: int, args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.layer_calls", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/smollm2-135m")
+    ap.add_argument("--weights", default="stored", help="stored (the GGUF's blocks) or dequantized")
     ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--dtypes", default="f32,bf16", help=f"of {', '.join(DTYPES)}")
     ap.add_argument("--tokens", type=int, default=16, help="greedy steps per timed run")
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     for name in args.dtypes.split(","):
         dtype, kv = DTYPES[name]
         say(f"{name}: loading {args.model}")
-        model = load_model(args.model, dtype, "cpu", max_len=max(contexts) + args.tokens + 8, weights="stored")
+        model = load_model(args.model, dtype, "cpu", max_len=max(contexts) + args.tokens + 8,
+                           weights=args.weights)
         use_kv_dtype(model, kv)
         rows += [{"dtype": name, **run(model, context, args)} for context in contexts]
     print(f"{'dtype':6} {'context':>8} {'one call':>9} {'torch ops':>10} {'speedup':>8} {'ops/token':>15} tokens")
