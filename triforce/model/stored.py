@@ -123,6 +123,18 @@ class PackedLinear(nn.Module):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def rows_step(self, like: torch.Tensor):
+        """forward for eager passes of rows like `like` (T, any), the records' kernel chosen now
+        (model/eager_steps.py): the same product and bias add as forward takes for 2-D rows."""
+        kernels = self._records_kernels(like.new_empty(like.shape[0], self.in_features))
+        if kernels is None:
+            return self.forward
+        product = kernels.q4_product if self.block_kernel == "q4" else kernels.q8_product
+        records, n, bias = self.block_records, self.out_features, self.bias
+        if bias is None:
+            return lambda x: product(x, records, n)
+        return lambda x: product(x, records, n) + bias
+
     def _records_kernels(self, rows: torch.Tensor):
         """The module whose kernels take these rows over the records (stored_bf16 for bfloat16,
         stored_avx2 for float32), or None."""

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import layer_ops
+from functools import partial
+
+from . import eager_steps, layer_ops
 from .kv import KVShape
 from .config import ModelConfig
 from .rope import Rotary, apply_rotary
@@ -31,6 +33,13 @@ class RMSNorm(nn.Module):
         # times the weight in it (a 16-bit model rounds twice, as they do)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
+    def rows_step(self, like: torch.Tensor):
+        """forward for eager passes of rows like `like`, the one-call norm chosen now (model/eager_steps.py)."""
+        if like.dtype == torch.float32 and layer_ops.serves(like):
+            weight, eps = self.weight, self.eps
+            return lambda x: layer_ops.rms_norm(x, weight, eps)
+        return self.forward
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, n_heads: int, n_kv_heads: int):
@@ -40,16 +49,32 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, cache, layer: int):
+        return self._attend(x, cos, sin, cache, layer, self.wqkv, self._rotate, self.wo)
+
+    def rows_step(self, like: torch.Tensor):
+        """forward for eager passes of rows like `like`, each part's kernel chosen now (model/eager_steps.py)."""
+        rotate = self._rotate
+        if layer_ops.serves(like):
+            heads, kv_heads = self.n_heads, self.n_kv_heads
+            rotate = lambda qkv, cos, sin: layer_ops.rotary_qk(qkv, cos, sin, heads, kv_heads)  # noqa: E731
+        return partial(self._attend, project_qkv=eager_steps.step(self.wqkv, like), rotate=rotate,
+                       project_out=eager_steps.step(self.wo, like))
+
+    def _attend(self, x, cos, sin, cache, layer: int, project_qkv, rotate, project_out):
         T, D = x.shape[0], self.head_dim
-        qk_heads = self.n_heads + self.n_kv_heads
-        qkv = self.wqkv(x)
+        qkv = project_qkv(x)
+        q, k = rotate(qkv, cos, sin)
+        v = qkv[:, (self.n_heads + self.n_kv_heads) * D:].view(T, self.n_kv_heads, D)
+        return project_out(cache.attend(layer, q, k, v))
+
+    def _rotate(self, qkv, cos, sin):
+        """q and k, rotated, out of the fused projection."""
         if layer_ops.serves(qkv):  # eager on CPU: one call, the same bits, where torch's ops are 11
-            q, k = layer_ops.rotary_qk(qkv, cos, sin, self.n_heads, self.n_kv_heads)
-        else:  # q and k sit side by side in the fused projection: one rotation for both
-            q, k = apply_rotary(qkv[:, :qk_heads * D].view(T, qk_heads, D), cos, sin).split(
-                [self.n_heads, self.n_kv_heads], dim=1)
-        out = cache.attend(layer, q, k, qkv[:, qk_heads * D:].view(T, self.n_kv_heads, D))
-        return self.wo(out)
+            return layer_ops.rotary_qk(qkv, cos, sin, self.n_heads, self.n_kv_heads)
+        # q and k sit side by side in the fused projection: one rotation for both
+        T, D, qk_heads = qkv.shape[0], self.head_dim, self.n_heads + self.n_kv_heads
+        return apply_rotary(qkv[:, :qk_heads * D].view(T, qk_heads, D), cos, sin).split(
+            [self.n_heads, self.n_kv_heads], dim=1)
 
 
 class MLP(nn.Module):
@@ -60,8 +85,15 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)  # down
 
     def forward(self, x):
-        gate, up = self.w13(x).split(self.intermediate, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self._feed(x, self.w13, self.w2)
+
+    def rows_step(self, like: torch.Tensor):
+        """forward for eager passes of rows like `like`, each product's kernel chosen now (model/eager_steps.py)."""
+        return partial(self._feed, gate_up=eager_steps.step(self.w13, like), down=eager_steps.step(self.w2, like))
+
+    def _feed(self, x, gate_up, down):
+        gate, up = gate_up(x).split(self.intermediate, dim=-1)
+        return down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -93,15 +125,22 @@ class Transformer(nn.Module):
         return KVShape(self.cfg.num_layers, self.layers[0].attention.n_kv_heads, self.cfg.head_dim,
                        dtype, p.device)
 
+    def _apply(self, fn, recurse=True):
+        eager_steps.forget(self)  # .to(), .float(), ...: the bound steps hold the old tensors
+        return super()._apply(fn, recurse)
+
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """tokens (T,) -> logits (T, vocab), or (1, vocab) for the last token only."""
         T = tokens.shape[0]
         positions = cache.begin(T)
         x = self.embed(tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for i, block in enumerate(self.layers):
-            x = x + block.attention(block.attention_norm(x), cos, sin, cache, i)
-            x = x + block.mlp(block.mlp_norm(x))
+        layers = eager_steps.bound_layers(self, x)  # eager CPU passes of a few rows: kernels chosen once
+        if layers is None:
+            layers = ((b.attention_norm, b.attention, b.mlp_norm, b.mlp) for b in self.layers)
+        for i, (attention_norm, attention, mlp_norm, mlp) in enumerate(layers):
+            x = x + attention(attention_norm(x), cos, sin, cache, i)
+            x = x + mlp(mlp_norm(x))
         cache.end(T)
         if last_only:
             x = x[-1:]

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from triforce.model.attention import attend_masked
+from triforce.model.eager_steps import watched
 
 from .caches import FullCache
 
@@ -208,15 +209,6 @@ def compile_static(fn, options: dict | None = None):
         own = types.MethodType(own, fn.__self__)
     options = dict(options or {}, guard_filter_fn=_guards_on_inputs)
     return torch.compile(own, fullgraph=True, dynamic=False, options=options)
-
-
-def watched(model) -> bool:
-    """Hooks on the model or its first layer (cli.progress.watch_layers, during a prefill): a compiled
-    graph would trace them (an error under fullgraph) and a CUDA graph would skip them, so such a
-    pass runs eagerly. The first layer stands for all (the watch hooks every layer)."""
-    layers = getattr(model, "layers", None)
-    hooked = [model] + (list(layers[0].modules()) if layers else [])
-    return any(m._forward_pre_hooks or m._forward_hooks for m in hooked)
 
 
 def capture_graph(run, models, device: torch.device, warmup: int = 2):

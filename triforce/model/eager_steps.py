@@ -1,0 +1,68 @@
+"""Eager CPU passes of a few rows through kernels chosen once per model and dtype, not once per call.
+
+At 64 cached tokens a SmolLM2 float32 step on one avx2 core spends ~6 ms in its kernels and ~1.5 ms
+more reaching them through the modules: eight nn.Module calls a layer, and on every call each product
+asking which kernel serves its rows, each norm and rotation whether its one-call op does. Within a
+model, a dtype and a pass of up to MAX_ROWS rows the answers never change, so this module takes them
+once and keeps, per layer, its four steps (attention_norm, attention, mlp_norm, mlp) as bound
+callables (`rows_step` on the modules that have a choice to make). The kernels and their order are the
+modules' own, so the bits are too (tests/model/test_eager_steps.py); 7.9 -> 6.4 ms a step there.
+
+The modules' path stays for everything else: torch.compile (which traces the modules), GPUs (graphs
+replay without Python), prefill pieces (their kernels dwarf the calls), and any model with hooks
+(tensor parallelism's all-reduce, the progress bar's watch), which only module calls run.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import layer_ops
+from .attention import SDPA_MIN_QUERIES
+
+enabled = True  # off: every pass goes through the modules (`python -m bench.layer_calls --switch eager_steps`)
+MAX_ROWS = SDPA_MIN_QUERIES - 1  # decode, draft and verification passes: those attention serves in one call
+
+# per model, its layers' bound steps per (dtype, layer_ops.enabled); weak, and keyed by the model object:
+# int8_twin's shallow copy shares the original's __dict__ but not its linears, so a plan kept there
+# would compute the twin with the original's weights
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def watched(model: nn.Module) -> bool:
+    """Hooks on the model or its first layer (cli.progress.watch_layers during a prefill, tensor
+    parallelism's all-reduce): bound steps and compiled or captured graphs would skip or trace them, so
+    such a pass runs through the modules. The first layer stands for all (both hook every layer)."""
+    layers = getattr(model, "layers", None)
+    hooked = [model] + (list(layers[0].modules()) if layers else [])
+    return any(m._forward_pre_hooks or m._forward_hooks for m in hooked)
+
+
+def bound_layers(model: nn.Module, x: torch.Tensor) -> list[tuple[Callable, ...]] | None:
+    """Each layer's (attention_norm, attention, mlp_norm, mlp) as bound steps for a pass of x (T,
+    hidden), or None where the pass goes through the modules (module docstring)."""
+    if (torch.compiler.is_compiling() or not enabled or x.device.type != "cpu" or x.shape[0] > MAX_ROWS
+            or watched(model)):
+        return None
+    plans = _plans.setdefault(model, {})
+    key = (x.dtype, layer_ops.enabled)  # layer_ops.enabled: bench.layer_calls switches it between runs
+    if key not in plans:
+        like = x.new_empty(MAX_ROWS, x.shape[-1])
+        plans[key] = [tuple(step(m, like) for m in (b.attention_norm, b.attention, b.mlp_norm, b.mlp))
+                      for b in model.layers]
+    return plans[key]
+
+
+def forget(model: nn.Module) -> None:
+    """Drop a model's bound steps: its tensors were moved or converted (Transformer._apply)."""
+    _plans.pop(model, None)
+
+
+def step(module: nn.Module, like: torch.Tensor) -> Callable:
+    """module's forward for passes of rows like `like` (T, hidden): its `rows_step`, which chooses its
+    kernels now, where it has one; else its forward (without nn.Module's call: no hooks here)."""
+    choose = getattr(module, "rows_step", None)
+    return module.forward if choose is None else choose(like)
