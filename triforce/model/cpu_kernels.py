@@ -19,11 +19,35 @@ AVX2 = frozenset({"avx2", "fma", "f16c"})  # the float32 kernels' code
 PRELUDE = r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
 namespace {
+
+// Tasks over torch's threads (where the module is built with OpenMP), each taken by whichever thread
+// is free: a head's span of keys, a group of output rows. No task's result depends on the thread or
+// on the others, so any number of threads gives the same bits. Taken in order, so callers put the
+// small tasks (a last partial span) last; dealt out in fixed shares, SmolLM2's 4,097 keys (3 heads x
+// 3 spans, the last a key long) gave one thread 4 full spans and the other 2. Calls of less work
+// than SERIAL_WORK multiply-adds stay on the calling thread (waking OpenMP's threads costs more).
+constexpr int64_t SERIAL_WORK = int64_t(1) << 20;
+
+template <typename F>
+void over_tasks(int64_t tasks, int64_t work, const F& task) {
+  int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  if (work < SERIAL_WORK || threads <= 1) {
+    for (int64_t t = 0; t < tasks; ++t) task(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i)
+      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) task(t);
+  });
+}
 
 using bf16 = uint16_t;
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))

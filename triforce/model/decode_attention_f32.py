@@ -273,25 +273,13 @@ AVX2 void mix_head(const float* probs, int64_t R, int64_t S, int64_t ld, const T
 
 // ======== heads and spans of keys over torch's threads ========
 
-// A head's keys go in spans of SPAN, the tasks split over torch's threads. The spans depend on the
-// number of keys alone (not on the threads or rows), so every split sums in one order: a head's
-// values product adds its spans' partial sums in span order. Calls with less work than SERIAL_WORK
-// multiply-adds stay on the calling thread (waking OpenMP's sleeping threads costs more).
+// A head's keys go in spans of SPAN, the tasks split over torch's threads (PRELUDE's over_tasks). The
+// spans depend on the number of keys alone (not on the threads or rows), so every split sums in one
+// order: a head's values product adds its spans' partial sums in span order. Tasks run span by span
+// (every head's first span, then every head's second, ...), so a last partial span comes last.
 constexpr int64_t SPAN = 2048;
-constexpr int64_t SERIAL_WORK = int64_t(1) << 20;
 
 inline int64_t spans(int64_t S) { return (S + SPAN - 1) / SPAN; }
-
-template <typename F>
-void over_tasks(int64_t tasks, int64_t work, const F& task) {
-  if (work < SERIAL_WORK) {
-    for (int64_t t = 0; t < tasks; ++t) task(t);
-    return;
-  }
-  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) task(t);
-  });
-}
 
 // ======== attention whole: scores, softmax and mix in one call ========
 
@@ -369,8 +357,8 @@ struct AttendOp {
     const T* k = reinterpret_cast<const T*>(keys.const_data_ptr());
     const T* v = reinterpret_cast<const T*>(values.const_data_ptr());
     std::vector<float> parts(H * C * R * D), tops(H * C * R), totals(H * C * R);
-    over_tasks(H * C, 2 * H * S * R * D, [&](int64_t t) {
-      int64_t h = t / C, s0 = t % C * SPAN, n = std::min(SPAN, S - s0), reach = 0;
+    over_tasks(H * C, 2 * H * S * R * D, [&](int64_t task) {
+      int64_t h = task % H, c = task / H, t = h * C + c, s0 = c * SPAN, n = std::min(SPAN, S - s0), reach = 0;
       std::vector<int64_t> seen(R);
       for (int64_t r = 0; r < R; ++r) {
         seen[r] = std::clamp<int64_t>(limits[r % tokens] - s0, 0, n);
@@ -443,8 +431,8 @@ struct ScoresOp {
   static void run(const at::Tensor& keys, const float* rows, int64_t R, float* out) {
     int64_t H = keys.size(0), S = keys.size(1), C = spans(S);
     const T* k = reinterpret_cast<const T*>(keys.const_data_ptr());
-    over_tasks(H * C, H * S * R * D, [&](int64_t t) {
-      int64_t h = t / C, s0 = t % C * SPAN;
+    over_tasks(H * C, H * S * R * D, [&](int64_t task) {
+      int64_t h = task % H, s0 = task / H * SPAN;
       scores_head<D, T>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, std::min(SPAN, S - s0),
                         out + h * R * S + s0, S);
     });
@@ -463,8 +451,8 @@ struct MixOp {
       return;
     }
     std::vector<float> parts(H * C * R * D);
-    over_tasks(H * C, H * S * R * D, [&](int64_t t) {
-      int64_t h = t / C, s0 = t % C * SPAN;
+    over_tasks(H * C, H * S * R * D, [&](int64_t task) {
+      int64_t h = task % H, c = task / H, t = h * C + c, s0 = c * SPAN;
       mix_head<D, T>(probs + h * R * S + s0, R, std::min(SPAN, S - s0), S, v + h * values.stride(0) + s0 * D,
                      parts.data() + t * R * D);
     });

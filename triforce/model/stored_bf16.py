@@ -44,7 +44,14 @@ BLOCK = 32
 MAX_ROWS = 256
 
 SOURCE = r"""
+// every function here avx512 code, the lambda torch's threads run included: one without the target
+// passes its __m512 accumulators to store_group by another convention (garbage in 12 of 16 lanes)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16")
+
 namespace {
+
+constexpr int64_t GRAIN_WEIGHTS = int64_t(1) << 18;  // a thread's least share: ~4 us at memory speed
 
 // bfloat16 bit patterns of 32 table entries: vpermw indexes with a word's low 5 bits, so entry i
 // is the value of the nibble i & 15 (bit 4 of the index is another nibble's, and ignored)
@@ -196,7 +203,11 @@ AVX512 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int
   auto out = at::empty({R, out_features}, x.options());
   auto* o = reinterpret_cast<bf16*>(out.data_ptr());
   const uint8_t* rec = records.const_data_ptr<uint8_t>();
-  for (int64_t g = 0; g < groups; ++g) {
+  // groups of output rows split over torch's threads, each thread's share at least GRAIN_WEIGHTS
+  // weight-rows of work (smaller matrices stay on one); a group's outputs do not depend on the split
+  const int64_t grain = std::max<int64_t>(1, GRAIN_WEIGHTS / (16 * K * std::max<int64_t>(R, 1)));
+  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+  for (int64_t g = first; g < last; ++g) {
     const uint8_t* group = rec + g * blocks * bytes;
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
       int nr = int(std::min<int64_t>(4, R - r0));
@@ -213,6 +224,7 @@ AVX512 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int
       for (int r = 0; r < nr; ++r) store_group(acc[r], o + (r0 + r) * out_features + 16 * g, out_features - 16 * g);
     }
   }
+  });
   return out;
 }
 
@@ -220,6 +232,8 @@ at::Tensor q4_product(const at::Tensor& x, const at::Tensor& records, int64_t n)
 at::Tensor q8_product(const at::Tensor& x, const at::Tensor& records, int64_t n) { return product(x, records, n, false); }
 
 }  // namespace
+
+#pragma GCC pop_options
 
 TORCH_LIBRARY(triforce_stored, m) {
   m.def("q4_product(Tensor x, Tensor records, int out_features) -> Tensor");
@@ -237,7 +251,7 @@ TORCH_LIBRARY_IMPL(triforce_stored, CPU, m) {
 def available() -> bool:
     """Whether the kernels build here and compute the dequantized product on a small case (any
     failure keeps torch's int4 kernel). Asked once per process."""
-    return cpu_kernels.built("triforce_stored_bf16", SOURCE, _register_shapes, _self_check)
+    return cpu_kernels.built("triforce_stored_bf16", SOURCE, _register_shapes, _self_check, openmp=True)
 
 
 def _self_check() -> bool:
