@@ -38,6 +38,31 @@ def test_greedy_every_mode_matches_autoregressive_on_a_book():
     assert sum(adaptive["modes"].values()) == adaptive["full_passes"]
 
 
+def test_a_bf16_verification_pass_gives_each_token_its_decode_step_logits():
+    """bfloat16 on the stored blocks (the default where the CPU has avx512_bf16): a pass of 7 tokens
+    over a 3,000-token cache (greedy verification) gives each token the logits of a pass of it alone
+    (plain decoding), bit for bit, so greedy speculation cannot resolve a near-tie otherwise than
+    plain decoding does. With attention's scores of 1-3 rows summed in another order than more rows'
+    (before session 17) every token's logits differed, by up to 0.44."""
+    import torch
+
+    from triforce.model import decode_attention, stored_bf16
+    from triforce.model.loader import load_model
+    from triforce.speculative.caches import FullCache
+
+    if not (decode_attention.available() and stored_bf16.available()):
+        pytest.skip("no avx512_bf16 kernels here: bfloat16 is not this CPU's default")
+    model = load_model(MODEL, torch.bfloat16, "cpu", max_len=4096, weights="stored")
+    ids = torch.randint(0, 49152, (3007,), generator=torch.Generator().manual_seed(0))
+    cache = FullCache(model.kv_shape(), 3100)
+    with torch.inference_mode():
+        model(ids[:3000], cache)
+        together = model(ids[3000:], cache)
+        cache.rollback(3000)
+        alone = torch.cat([model(ids[t:t + 1], cache) for t in range(3000, 3007)])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
 def test_real_checkpoint_logits_match_transformers(name):
     """The converted checkpoints (Qwen2 with q/k/v biases, SmolLM2) give transformers' logits."""

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from triforce.model import attention
+from triforce.model import decode_attention as bf16
 from triforce.model import decode_attention_f32 as f32
 from tests.model.test_attention import reference
 
 needs_kernels = pytest.mark.skipif(not f32.available(), reason="no avx2/fma/f16c or no C++ compiler: attention keeps its GEMMs")
+needs_bf16_kernels = pytest.mark.skipif(not bf16.available(), reason="no avx512_bf16 or no C++ compiler")
 
 U = 2.0 ** -24  # float32's unit roundoff
 # Each output is a float32 sum of exact products (widening 16-bit values is exact) in some order. Its
@@ -235,17 +237,19 @@ def test_attend_equals_float64(rep, T, S, D, dtype):
     assert ratio <= ATTEND_BOUND, ratio / U
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", f32.CACHE_DTYPES)
-def test_attend_reads_nothing_past_the_limits(dtype):
+@pytest.mark.parametrize("kernels,dtype", [*(pytest.param(f32, dtype, marks=needs_kernels) for dtype in f32.CACHE_DTYPES),
+                                            pytest.param(bf16, torch.bfloat16, marks=needs_bf16_kernels)])
+def test_attend_reads_nothing_past_the_limits(kernels, dtype):
     """A static view's layer: slots past each token's own hold stale keys and values (huge here) and
-    must count for nothing; the output is bit for bit that of the cache cut at the limits."""
+    must count for nothing; the output is bit for bit that of the cache cut at the limits. Float32
+    rows over any cache dtype, and bf16 rows over a bf16 cache (decode_attention.attend)."""
     rows, keys, values = attend_inputs(3, 9, 6000, 64, dtype, seed=7)
+    rows = rows.to(torch.bfloat16 if kernels is bf16 else torch.float32)
     keys[:, 4100:] = 300.0
     values[:, 4100:] = 1e4
     limits = torch.tensor([4098, 4099, 4100])  # 3 tokens, slots 4097-4099
-    got = f32.attend(rows, keys, values, limits, 0.125)
-    cut = f32.attend(rows, keys[:, :4100].contiguous(), values[:, :4100].contiguous(), limits, 0.125)
+    got = kernels.attend(rows, keys, values, limits, 0.125)
+    cut = kernels.attend(rows, keys[:, :4100].contiguous(), values[:, :4100].contiguous(), limits, 0.125)
     assert torch.equal(got, cut) and got.abs().max() < 10
 
 

@@ -98,20 +98,15 @@ def _kernels_for(rows: torch.Tensor, cache: torch.Tensor):
 
 
 def _attend_kernels(kernels, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future) -> torch.Tensor:
-    """`_attend_rows` for all KV heads at once through a kernel module's two products, which read the
-    cache once at about memory speed where bf16 bmm and per-head addmm read it at a third of that
-    (SmolLM2 at 4K, eager: docs/results/2026-11-23-cpu-bytes.md, session 12), and per-head widening of a
-    16-bit cache wrote and re-read a float32 copy (decode_attention_f32.py). Scaled after the product:
-    a power of two for head_dim 64, so exact there. Softmax in the rows' dtype (float32 inside).
-    Float32 rows take the whole attention as one call (decode_attention_f32.attend)."""
+    """`_attend_rows` for all KV heads at once as one call of a kernel module's `attend` (scores,
+    softmax and values' product), which reads the cache once at about memory speed where bf16 bmm and
+    per-head addmm read it at a third of that (SmolLM2 at 4K, eager: docs/results/2026-11-23-cpu-bytes.md,
+    session 12), and per-head widening of a 16-bit cache wrote and re-read a float32 copy
+    (decode_attention_f32.py); torch's softmax between two product kernels cost 20-25% of the three on
+    avx2 and more than either product at 21 bf16 rows (decode_attention.py)."""
     S, D = keys.shape[-2:]
-    if kernels is decode_attention_f32:  # one call (torch's softmax was 20-25% of the three on avx2)
-        T = 1 if future is None else future.shape[1]
-        return kernels.attend(rows, keys, values, torch.arange(S - T + 1, S + 1), D ** -0.5)
-    scores = kernels.scores(rows, keys).mul_(D ** -0.5)
-    if future is not None:
-        scores[..., S - future.shape[1]:].masked_fill_(future, float("-inf"))
-    return kernels.mix(torch.softmax(scores, dim=-1), values)
+    T = 1 if future is None else future.shape[1]
+    return kernels.attend(rows, keys, values, torch.arange(S - T + 1, S + 1), D ** -0.5)
 
 
 def _tokens_contiguous(cache: torch.Tensor) -> bool:
@@ -125,25 +120,24 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     """Attention of T queries (T, Hq, D) against every slot of a cache layer (Hkv, S, D) under an
     additive mask (T, S) of 0 and -inf: the static-shape form (speculative/graphs.py's views), on CPU.
     The mask is a prefix per query: query t sees the first limits[t] slots ((T,) int64), which the
-    float32 kernel takes instead (it never reads the slots past them).
+    CPU kernels take instead (they never read the slots past them).
     The query heads sharing a KV head are rows of one product, as in `_attend_grouped`: torch's CPU
     SDPA with a mask took 3.3 ms for one bf16 query against 4,200 keys (9 heads), this 0.17 ms."""
     T, Hq, D = q.shape
     Hkv = keys.shape[0]
     rep = Hq // Hkv
     grouped = q.view(T, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * T, D)
-    # bf16 on avx512_bf16, float32 on avx2: the products as kernels at about memory speed
-    # (decode_attention.py, decode_attention_f32.py), else bmm
+    # bf16 on avx512_bf16, float32 on avx2: kernels at about memory speed (decode_attention.py,
+    # decode_attention_f32.py), else bmm
     kernels = _kernels_for(grouped, keys)
-    if kernels is decode_attention_f32:
+    if kernels:  # the whole attention in one call, reading no slot past a query's limit
         out = kernels.attend(grouped, keys, values, limits, D ** -0.5)
         return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
-    scores = (kernels.scores(grouped, keys) if kernels
-              else torch.bmm(grouped, keys.to(q.dtype).transpose(1, 2))).view(Hkv, rep, T, -1)
+    scores = torch.bmm(grouped, keys.to(q.dtype).transpose(1, 2)).view(Hkv, rep, T, -1)
     # the mask broadcasts over the heads: nothing per layer builds or copies it (compiled, the add
     # rides in the softmax kernel)
     probs = torch.softmax(scores * D ** -0.5 + mask, dim=-1).view(Hkv, rep * T, -1)
-    out = kernels.mix(probs, values) if kernels else torch.bmm(probs, values.to(q.dtype))
+    out = torch.bmm(probs, values.to(q.dtype))
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 

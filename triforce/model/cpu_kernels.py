@@ -21,9 +21,12 @@ PRELUDE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -48,6 +51,68 @@ void over_tasks(int64_t tasks, int64_t work, const F& task) {
       for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) task(t);
   });
 }
+
+// ======== attention over spans of keys (flash decoding), the attention kernels' common frame ========
+constexpr int64_t SPAN = 2048;  // keys per task: 16 tasks a head at 32K keys, 128-256 KB of keys each
+
+inline int64_t spans(int64_t S) { return (S + SPAN - 1) / SPAN; }
+
+// softmax(scale * rows . keys^T) . values of R rows over a head's S keys, for H heads, into out
+// (H, R, D) float32. Row r is token r % tokens, which sees the first limits[t] keys. A task is a
+// (head, span): span(h, s0, reach, seen, part, top, total) turns the span's first `reach` keys into
+// each row's weighted sum of values (part, R x D), weighed against the row's own maximum scaled
+// score (top) with the weights' sum (total); a row sees seen[r] <= reach of them. The heads then
+// merge their spans (exp of each span's maximum against the head's), span by span in order, so that
+// any number of threads gives the same bits; a span no row sees (keys past the sequence, a row's
+// future) is never read.
+template <typename Span>
+void attend_spans(int64_t H, int64_t S, int64_t R, int64_t D, const int64_t* limits, int64_t tokens,
+                  float* out, const Span& span) {
+  int64_t C = spans(S);
+  std::vector<float> parts(H * C * R * D), tops(H * C * R), totals(H * C * R);
+  over_tasks(H * C, 2 * H * S * R * D, [&](int64_t task) {
+    int64_t h = task % H, c = task / H, t = h * C + c, s0 = c * SPAN, n = std::min(SPAN, S - s0), reach = 0;
+    std::vector<int64_t> seen(R);
+    for (int64_t r = 0; r < R; ++r) {
+      seen[r] = std::clamp<int64_t>(limits[r % tokens] - s0, 0, n);
+      reach = std::max(reach, seen[r]);
+    }
+    float* part = parts.data() + t * R * D;
+    float *top = tops.data() + t * R, *total = totals.data() + t * R;
+    if (reach == 0) {
+      std::fill(part, part + R * D, 0.0f);
+      std::fill(top, top + R, -INFINITY);
+      std::fill(total, total + R, 0.0f);
+      return;
+    }
+    span(h, s0, reach, seen.data(), part, top, total);
+  });
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < R; ++r) {
+      float m = -INFINITY, l = 0.0f;
+      for (int64_t c = 0; c < C; ++c) m = std::max(m, tops[(h * C + c) * R + r]);
+      float* o = out + (h * R + r) * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t c = 0; c < C; ++c) {
+        int64_t i = (h * C + c) * R + r;
+        if (totals[i] == 0.0f) continue;
+        float w = std::exp(tops[i] - m);
+        l += w * totals[i];
+        const float* part = parts.data() + i * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * part[d];
+      }
+      float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+}
+
+// e^x for x <= 0 as Cephes' expf computes it, in the kernels' vector widths: x = n ln2 + r with
+// n = round(x log2 e) and |r| <= ln2/2 (ln2 in two parts, so r is exact to float32), e^r = 1 + r +
+// r^2 p(r) with p of degree 5 (EXP_POLY, highest first), 2^n through the exponent bits. Below
+// EXP_FLOOR (the smallest normal float32's log) x is held there: e^x ~ 2^-126, far under any sum.
+constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f, EXP_FLOOR = -87.3f;
+constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 using bf16 = uint16_t;
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))

@@ -1,7 +1,8 @@
-"""The two products of attention at a few to a few dozen queries, on CPU in bfloat16, as kernels
-that read each cached key and value once per call: scores = rows . keys^T and out = probs . values,
-for each KV head, where rows are the query rows that share the head (GQA's group times the new
-tokens: 21 in a SmolLM2 verification pass of gamma 6, 42 for Qwen2.5-1.5B's 6 heads per KV head).
+"""Attention at a few to a few dozen queries, on CPU in bfloat16, as kernels that read each cached
+key and value once per call, for each KV head, where rows are the query rows that share the head
+(GQA's group times the new tokens: 3 in a SmolLM2 decode step, 21 in its verification pass of gamma 6,
+42 for Qwen2.5-1.5B's 6 heads per KV head). `attend` is the whole attention in one call, what
+attention.py calls; `scores` (rows . keys^T) and `mix` (probs . values) are its two products alone.
 
 torch's bf16 `bmm` at 3 rows against SmolLM2's cache (one thread, 30 layers, 4K keys) took 3.8 ms for
 the scores and 3.3 for the values against 1.06 ms to read either once at memory speed (docs/results/
@@ -10,25 +11,32 @@ torch's CPU flash kernel 8x the floor. At one row the products wait on memory; e
 multiply-adds, and past 6-12 rows (64-wide heads, 16K keys) they bound the time. Both products use
 avx512_bf16's pair dot products (32 multiply-adds per instruction):
 
-- scores, up to 3 rows: each key's products with a row in one vector, summed across lanes: the least
-  work per key, at the memory floor. More rows: a block of 64 keys is transposed once, so that a
-  vector holds one pair of dims of 16 keys; tiles of 6 rows broadcast their own pairs against it (no
-  sums across lanes, each key vector loaded once per tile).
+- scores: a block of 64 keys is transposed once, so that a vector holds one pair of dims of 16 keys;
+  tiles of 6 rows broadcast their own pairs against it (no sums across lanes, each key vector loaded
+  once per tile). Each score is one chain in dim order at any number of rows, so a row's bits do not
+  depend on the rows beside it.
 - values: keys s, s+1 interleaved in each 32-bit lane against the broadcast weights (p[r,s], p[r,s+1]).
   Up to one tile of rows (6 at head_dim 64, 3 at 128) every sum stays in registers through all keys;
   more rows: a block of keys is interleaved once into a buffer and every tile of rows runs over it,
   the sums waiting in a float32 buffer between blocks.
+- attend: a task per (head, span of 2,048 keys) scores its rows into float32, turns them into bf16
+  weights against the span's own maximum (a vectorized exp) and mixes the span's values; each head
+  then merges its spans by their maxima, in span order (cpu_kernels.attend_spans). Against scores,
+  torch's softmax and mix as three calls (SmolLM2 at 16K keys, 30 layers, two threads): 3 rows 8.7 ->
+  6.6 ms, 21 rows 26.1 -> 17.4.
 
 SmolLM2 (30 layers x 3 KV heads, head_dim 64) at 16K keys, both products, one thread, medians
 (bench/attention_rows.py): 1 row 9.0-9.5 ms as before (about the memory floor), 6 rows 8.5 (the
 earlier kernels 13.8), 21 rows 20.3 (the multiply-add floor 15.1; bmm 42.0, the earlier 16-row
 kernels in two calls 41.0), 42 rows 36.7 (floor 30.2; bmm 61.7).
 
-Each is what `bmm` computes but for the order of its float32 sums: the products of bfloat16 values are
-exact in float32, and each output is rounded once to bfloat16, to nearest even, as bmm rounds its own.
-One difference: the pair dot product reads denormal inputs as 0 and flushes denormal float32 results
-to 0, so a bf16 weight, value, query or key below 2^-126 (about 1.2e-38) counts as 0 (bmm keeps it),
-and so does a score whose float32 sum falls below it.
+`scores` and `mix` are what `bmm` computes but for the order of its float32 sums: the products of
+bfloat16 values are exact in float32, and each output is rounded once to bfloat16, to nearest even,
+as bmm rounds its own. `attend` keeps the scores in float32 (bmm's path rounds them to bf16 before the
+softmax), rounds the weights and the output once each. One difference: the pair dot product reads
+denormal inputs as 0 and flushes denormal float32 results to 0, so a bf16 weight, value, query or key
+below 2^-126 (about 1.2e-38) counts as 0 (bmm keeps it), and so does a score whose float32 sum falls
+below it.
 
 The C++ is built at first use with torch's extension builder (a C++ compiler, as --compile needs
 anyway; cached on disk) and registered as torch ops, which torch.compile calls as opaque kernels.
@@ -90,63 +98,9 @@ struct Ahead {
 
 // ======== scores = rows . keys^T ========
 
-// ---- a few rows: each key's dot product in a vector, then sums across lanes ----
-// At 1-3 rows the product waits on memory either way; this does the least work per key (no
-// transposition) and reads at the memory floor.
-constexpr int FEW_SCORE_ROWS = 3;
-constexpr int64_t SPAN = 2048;  // keys per task of the scores (a multiple of both kernels' blocks: 16, 64)
+// the scores' tasks take spans of PRELUDE's SPAN keys (a multiple of the block, 64 keys)
 
-// 16 vectors of partial sums -> one vector of their 16 totals. Lane l holds the total of vector
-// SLOT[l]: the dot product of key j is accumulated in vector SLOT[j] (SLOT is its own inverse),
-// so the lanes come out in key order.
-constexpr int SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-AVX512 inline __m512 totals16(__m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-}
-
-template <int D>
-AVX512 void scores_few(const bf16* rows, int64_t R, const bf16* keys, int64_t S, bf16* out, int64_t ld) {
-  constexpr int NC = D / 32;
-  int64_t full = S - S % 16;
-  for (int64_t s0 = 0; s0 < full; s0 += 16) {
-    const bf16* k = keys + s0 * D;
-    for (int line = 0; line < 16 * D; line += 32) read_ahead(k + line);  // 64-byte lines
-    for (int64_t r = 0; r < R; ++r) {
-      __m512bh q[NC];
-      for (int c = 0; c < NC; ++c) q[c] = (__m512bh)_mm512_loadu_si512(rows + r * D + 32 * c);
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        for (int c = 0; c < NC; ++c)
-          a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(k + j * D + 32 * c));
-        acc[SLOT[j]] = a;
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld + s0), to_bf16(totals16(acc)));
-    }
-  }
-  for (int64_t s = full; s < S; ++s) {  // the last S % 16 keys one at a time
-    for (int64_t r = 0; r < R; ++r) {
-      __m512 a = _mm512_setzero_ps();
-      for (int c = 0; c < NC; ++c)
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(rows + r * D + 32 * c),
-                             (__m512bh)_mm512_loadu_si512(keys + s * D + 32 * c));
-      out[r * ld + s] = scalar_bf16(_mm512_reduce_add_ps(a));
-    }
-  }
-}
-
-// ---- more rows: keys in lanes ----
+// ---- keys in lanes ----
 // A block of 64 keys is transposed once into kt: word p (dims 2p, 2p+1) of 16 keys per vector, key j
 // in lane j. A row's scores against 16 keys are then a chain of D/2 pair dot products with the row's
 // word p broadcast: no sums across lanes, each key vector loaded once for a tile of rows, and the
@@ -201,9 +155,14 @@ AVX512 inline void store32(bf16* out, __m512 lo, __m512 hi, int64_t n) {
   else if (n > 0) _mm512_mask_storeu_epi16(out, (__mmask32)((1u << n) - 1), v);
 }
 
+AVX512 inline void store32(float* out, __m512 lo, __m512 hi, int64_t n) {
+  _mm512_mask_storeu_ps(out, (__mmask16)(n >= 16 ? 0xffff : (1u << std::max<int64_t>(n, 0)) - 1), lo);
+  _mm512_mask_storeu_ps(out + 16, (__mmask16)(n >= 32 ? 0xffff : (1u << std::clamp<int64_t>(n - 16, 0, 16)) - 1), hi);
+}
+
 // out[r, 0:n] = rows[r] . keys[0:n] for RT rows against one transposed block
-template <int D, int RT>
-AVX512 void scores_tile(const bf16* rows, const bf16* kt, int64_t n, bf16* out, int64_t S, Ahead& ahead) {
+template <int D, int RT, typename O>
+AVX512 void scores_tile(const bf16* rows, const bf16* kt, int64_t n, O* out, int64_t S, Ahead& ahead) {
   constexpr int NB = SBLOCK / 16;
   __m512 acc[RT][NB];
   for (int r = 0; r < RT; ++r)
@@ -226,8 +185,8 @@ AVX512 void scores_tile(const bf16* rows, const bf16* kt, int64_t n, bf16* out, 
     for (int b = 0; b < NB; b += 2) store32(out + r * S + 16 * b, acc[r][b], acc[r][b + 1], n - 16 * b);
 }
 
-template <int D>
-AVX512 void scores_many(const bf16* rows, int64_t R, const bf16* keys, int64_t S, bf16* out, int64_t ld) {
+template <int D, typename O>
+AVX512 void scores_many(const bf16* rows, int64_t R, const bf16* keys, int64_t S, O* out, int64_t ld) {
   alignas(64) bf16 kt[SBLOCK * D];
   constexpr int64_t bytes = SBLOCK * D * 2;
   Ahead ahead(keys, keys + S * D, bytes, SBLOCK / 16 * D / 32 + (R + SROWS - 1) / SROWS * D / 2);
@@ -239,7 +198,7 @@ AVX512 void scores_many(const bf16* rows, int64_t R, const bf16* keys, int64_t S
     int64_t r = 0;
     for (; r + SROWS <= R; r += SROWS) scores_tile<D, SROWS>(rows + r * D, kt, n, out + r * ld + s0, ld, ahead);
     const bf16* q = rows + r * D;
-    bf16* o = out + r * ld + s0;
+    O* o = out + r * ld + s0;
     switch (R - r) {
       case 5: scores_tile<D, 5>(q, kt, n, o, ld, ahead); break;
       case 4: scores_tile<D, 4>(q, kt, n, o, ld, ahead); break;
@@ -265,6 +224,13 @@ AVX512 inline void store_pairs(bf16* out, __m512 lo, __m512 hi) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), to_bf16(_mm512_permutex2var_ps(lo, second, hi)));
 }
 
+AVX512 inline void store_pairs(float* out, __m512 lo, __m512 hi) {  // the same, kept in float32
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo, first, hi));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, second, hi));
+}
+
 // ---- a few rows (one tile): every row's sums in registers through all keys ----
 // acc[r] += keys s, s+1 of RT rows (PAIR false: key s alone, the last)
 template <int D, int RT, bool PAIR>
@@ -284,8 +250,8 @@ AVX512 inline void mix_pair(const bf16* probs, int64_t S, const bf16* values, in
   }
 }
 
-template <int D, int RT>
-AVX512 void mix_few(const bf16* probs, int64_t S, const bf16* values, bf16* out) {
+template <int D, int RT, typename O>
+AVX512 void mix_few(const bf16* probs, int64_t S, const bf16* values, O* out) {
   __m512 acc[RT][D / 16];
   for (int r = 0; r < RT; ++r)
     for (int k = 0; k < D / 16; ++k) acc[r][k] = _mm512_setzero_ps();
@@ -350,8 +316,8 @@ AVX512 void mix_tile(const bf16* probs, int64_t S, const bf16* pk, int64_t n, fl
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc_rows + r * D + 64 * dc + 16 * k, acc[r][k]);
 }
 
-template <int D>
-AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values, bf16* out, float* acc) {
+template <int D, typename O>
+AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values, O* out, float* acc) {
   constexpr int KB = MBLOCK<D>;
   alignas(64) bf16 pk[KB * D];
   for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
@@ -381,24 +347,29 @@ AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values
                   _mm512_loadu_ps(acc + r * D + 32 * c + 16));
 }
 
-template <int D>
-void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, bf16* out, int64_t ld) {
-  if (R <= FEW_SCORE_ROWS) scores_few<D>(rows, R, keys, S, out, ld);
-  else scores_many<D>(rows, R, keys, S, out, ld);
+// Every row count takes the transposed blocks, 1-3 rows as well: each score is then one chain of
+// pair dot products in dim order, whatever the rows, so a verification pass of T tokens gives each
+// token the bits of its own decode step (a SmolLM2 pass of 7 tokens on its stored weights: every
+// logit equal). 1-3 rows summed each key in a vector and then across lanes, another order (logits
+// up to 0.5 apart, and greedy verification could flip a near-tie); decode steps took no longer
+// (SmolLM2, 4K and 16K keys, one and two threads).
+template <int D, typename O>
+void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, O* out, int64_t ld) {
+  scores_many<D>(rows, R, keys, S, out, ld);
 }
 
-template <int D>
-void mix_head(const bf16* probs, int64_t R, int64_t S, const bf16* values, bf16* out) {
+template <int D, typename O>
+void mix_head(const bf16* probs, int64_t R, int64_t S, const bf16* values, O* out) {
   // up to one tile, the sums stay in registers: 6 rows x 4 vectors at 64 dims, 3 x 8 at 128
   switch (R) {
-    case 1: return mix_few<D, 1>(probs, S, values, out);
-    case 2: return mix_few<D, 2>(probs, S, values, out);
-    case 3: return mix_few<D, 3>(probs, S, values, out);
+    case 1: return mix_few<D, 1, O>(probs, S, values, out);
+    case 2: return mix_few<D, 2, O>(probs, S, values, out);
+    case 3: return mix_few<D, 3, O>(probs, S, values, out);
   }
   if constexpr (D == 64) switch (R) {
-    case 4: return mix_few<D, 4>(probs, S, values, out);
-    case 5: return mix_few<D, 5>(probs, S, values, out);
-    case 6: return mix_few<D, 6>(probs, S, values, out);
+    case 4: return mix_few<D, 4, O>(probs, S, values, out);
+    case 5: return mix_few<D, 5, O>(probs, S, values, out);
+    case 6: return mix_few<D, 6, O>(probs, S, values, out);
   }
   thread_local std::vector<float> acc;  // the rows' float32 sums between blocks, per thread
   if (acc.size() < size_t(R * D)) acc.resize(R * D);
@@ -450,9 +421,98 @@ at::Tensor mix(const at::Tensor& probs_in, const at::Tensor& values) {
   return out;
 }
 
-// The new tokens' keys and values into the cache (L, H, S, D), then attention.py's grouped attention
-// of their queries over the first start + T slots: the same ATen ops and kernels in the same order
-// (so the same bits), called from here rather than as ~20 small torch calls a layer from Python.
+// ======== attention whole: scores, softmax and mix in one call ========
+// Three calls with torch's softmax between them cost SmolLM2 at 16K keys (30 layers, two threads)
+// 4.8 + 1.2 + 4.7 ms at 3 rows and 7.0 + 7.6 + 7.1 at 21: torch's bf16 softmax widened, exponentiated
+// and rounded the scores on the side, and the mix ran a task per head (SmolLM2's 3 heads: 2:1 over two
+// threads). Here each (head, span) task scores its rows into float32 (kept, not rounded to bf16),
+// turns them into bf16 weights and mixes the span's values while they are warm; the heads then merge
+// their spans (PRELUDE's attend_spans, as decode_attention_f32 does).
+
+// e^x for x <= 0 (a score minus its row's maximum): PRELUDE's Cephes expf in 16 lanes
+AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x));
+  __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline __mmask16 first_lanes(int64_t k) { return k >= 16 ? __mmask16(0xffff) : __mmask16((1u << k) - 1); }
+
+// One row's float32 scores over a span -> its bf16 weights w[0:n]: the first `seen` are
+// exp(scale * s - top) against the row's own scaled maximum `top`, the rest 0; `total` is the sum of
+// the weights as rounded, the ones the mix multiplies by. Not yet divided by it: the spans of a head
+// each weigh by their own maximum, and the merge brings them to one. scale > 0, so the scaled
+// maximum is the maximum's scaled value.
+AVX512 inline void span_weights(const float* s, int64_t seen, int64_t n, float scale, bf16* w, float& top,
+                                float& total) {
+  __m512 top16 = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < seen; j += 16)
+    top16 = _mm512_mask_max_ps(top16, first_lanes(seen - j), top16, _mm512_maskz_loadu_ps(first_lanes(seen - j), s + j));
+  float m = _mm512_reduce_max_ps(top16) * scale;
+  __m512 sv = _mm512_set1_ps(scale), mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; j += 16) {
+    __mmask16 k = first_lanes(seen - j);
+    __m256i b = to_bf16(exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), sv, mv)));
+    _mm512_mask_storeu_epi16(w + j, __mmask32(k), _mm512_castsi256_si512(b));  // no avx512vl needed
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16))));
+  }
+  std::fill(w + seen, w + n, bf16(0));
+  total = _mm512_reduce_add_ps(sum);
+  top = m;
+}
+
+// rows (H, R, D) bf16 over keys and values (H, S, D) -> out (H, R, D) float32
+template <int D>
+void attend_heads(const at::Tensor& keys, const at::Tensor& values, const bf16* rows, int64_t R, const int64_t* limits,
+                  int64_t tokens, float scale, float* out) {
+  const bf16 *k = data(keys), *v = data(values);
+  attend_spans(keys.size(0), keys.size(1), R, D, limits, tokens, out,
+               [&](int64_t h, int64_t s0, int64_t reach, const int64_t* seen, float* part, float* top, float* total) {
+    thread_local std::vector<float> scores;  // each thread's, kept between calls (page faults)
+    thread_local std::vector<bf16> weights;
+    if (scores.size() < size_t(R * reach)) scores.resize(R * reach), weights.resize(R * reach);
+    scores_head<D>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, reach, scores.data(), reach);
+    for (int64_t r = 0; r < R; ++r)
+      span_weights(scores.data() + r * reach, seen[r], reach, scale, weights.data() + r * reach, top[r], total[r]);
+    mix_head<D>(weights.data(), R, reach, v + h * values.stride(0) + s0 * D, part);
+  });
+}
+
+// softmax(scale * rows . keys^T) . values, rounded once to bf16; row r is token r % T, which sees the
+// first limits[t] keys
+at::Tensor attend_rows(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values,
+                       const int64_t* limits, int64_t T, double scale) {
+  auto rows = rows_in.contiguous();
+  TORCH_CHECK(rows.dim() == 3 && rows.scalar_type() == at::kBFloat16, "rows must be bfloat16 (heads, rows, head_dim)");
+  int64_t H = rows.size(0), R = rows.size(1), D = rows.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
+  check_cache(keys, H);
+  check_cache(values, H);
+  TORCH_CHECK(keys.size(1) == values.size(1) && keys.size(2) == D && values.size(2) == D, "keys and values must match");
+  TORCH_CHECK(T > 0 && R % T == 0, "limits must hold one count per token of the rows");
+  auto out = at::zeros({H, R, D}, rows.options().dtype(at::kFloat));
+  if (keys.size(1) > 0 && R > 0) {
+    if (D == 64) attend_heads<64>(keys, values, data(rows), R, limits, T, float(scale), out.data_ptr<float>());
+    else attend_heads<128>(keys, values, data(rows), R, limits, T, float(scale), out.data_ptr<float>());
+  }
+  return out.to(at::kBFloat16);  // round to nearest even
+}
+
+at::Tensor attend(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& limits_in, double scale) {
+  auto limits = limits_in.to(at::kLong).contiguous();
+  TORCH_CHECK(limits.dim() == 1, "limits must hold one count per token of the rows");
+  return attend_rows(rows, keys, values, limits.const_data_ptr<int64_t>(), limits.numel(), scale);
+}
+
+// The new tokens' keys and values into the cache (L, H, S, D), then `attend` of their queries over the
+// first start + T slots, token t seeing start + t + 1: what attention.py does for the grouped rows,
+// called from here rather than as ~20 small torch calls a layer from Python.
 at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
                         at::Tensor cache_v, int64_t layer, int64_t start, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (tokens, heads, head_dim)");
@@ -466,15 +526,10 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
   auto keys = cache_k.select(0, layer), values = cache_v.select(0, layer);
   keys.narrow(1, start, T).copy_(k.transpose(0, 1));
   values.narrow(1, start, T).copy_(v.transpose(0, 1));
-  keys = keys.narrow(1, 0, S);
-  values = values.narrow(1, 0, S);
   auto rows = q.view({T, H, rep, D}).permute({1, 2, 0, 3}).reshape({H, rep * T, D});
-  // the scale as Python passes a float, a wrapped double (mul_.Scalar rounds it to bf16 first)
-  auto weights = scores(rows, keys).mul_(at::native::wrapped_scalar_tensor(scale));
-  if (T > 1)  // only the last T keys can be in a row's future
-    weights.narrow(-1, S - T, T).masked_fill_(at::ones({T, T}, q.options().dtype(at::kBool)).triu(1).repeat({rep, 1}),
-                                              -INFINITY);
-  auto out = mix(at::softmax(weights, -1), values);
+  std::vector<int64_t> limits(T);
+  for (int64_t t = 0; t < T; ++t) limits[t] = start + t + 1;
+  auto out = attend_rows(rows, keys.narrow(1, 0, S), values.narrow(1, 0, S), limits.data(), T, scale);
   return out.view({H, rep, T, D}).permute({2, 0, 1, 3}).reshape({T, Hq * D});
 }
 
@@ -483,6 +538,7 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
 TORCH_LIBRARY(triforce_decode, m) {
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
+  m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
   m.def("cache_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, int layer, int start, "
         "float scale) -> Tensor");
 }
@@ -490,6 +546,7 @@ TORCH_LIBRARY(triforce_decode, m) {
 TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
   m.impl("scores", &scores);
   m.impl("mix", &mix);
+  m.impl("attend", &attend);
   m.impl("cache_attend", &cache_attend);
 }
 """
@@ -526,6 +583,10 @@ def _register_shapes() -> None:
     def _(probs, values):
         return probs.new_empty(probs.shape[0], probs.shape[1], values.shape[2])
 
+    @torch.library.register_fake("triforce_decode::attend")
+    def _(rows, keys, values, limits, scale):
+        return rows.new_empty(rows.shape)
+
     @torch.library.register_fake("triforce_decode::cache_attend")
     def _(q, k, v, cache_k, cache_v, layer, start, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -548,10 +609,19 @@ def mix(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.ops.triforce_decode.mix(probs, values)
 
 
+def attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """softmax(scale * rows . keys^T) . values, scores, softmax and mix in one call: (H, R, D) bf16
+    rows, row r being token r % T of its head's query group, token t seeing the first limits[t] keys
+    ((T,) int64); (H, S, D) bf16 keys and values. Scores and weights' sums in float32, the weights
+    rounded to bf16 for the values' product, the output rounded once to bf16."""
+    return torch.ops.triforce_decode.attend(rows, keys, values, limits, scale)
+
+
 def cache_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                  layer: int, start: int, scale: float) -> torch.Tensor:
     """The T new tokens' bf16 keys and values (T, Hkv, D) into a cache's buffers (L, Hkv, S, D) at
-    [layer, :, start:start + T], then attention.py's grouped attention of their queries (T, Hq, D)
-    through `scores`, torch's softmax and `mix` over the first start + T slots -> (T, Hq * D): the
-    same ops in one call from Python, where they were ~20 a layer."""
+    [layer, :, start:start + T], then `attend` for their queries (T, Hq, D) over the first start + T
+    slots, token t seeing start + t + 1 -> (T, Hq * D): one call where the write, the grouping and
+    the views were ~20 torch ops a layer."""
     return torch.ops.triforce_decode.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale)

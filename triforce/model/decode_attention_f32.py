@@ -277,29 +277,18 @@ AVX2 void mix_head(const float* probs, int64_t R, int64_t S, int64_t ld, const T
 // spans depend on the number of keys alone (not on the threads or rows), so every split sums in one
 // order: a head's values product adds its spans' partial sums in span order. Tasks run span by span
 // (every head's first span, then every head's second, ...), so a last partial span comes last.
-constexpr int64_t SPAN = 2048;
-
-inline int64_t spans(int64_t S) { return (S + SPAN - 1) / SPAN; }
+// SPAN and spans() are PRELUDE's (cpu_kernels.py), as the attention's frame over spans is.
 
 // ======== attention whole: scores, softmax and mix in one call ========
 
-// e^x for x <= 0 (a score minus its row's maximum), float32: x = n ln2 + r with n = round(x log2 e)
-// and |r| <= ln2/2 (ln2 in two parts, so r is exact to float32), e^r by Cephes' degree-7 polynomial
-// (Cephes' expf; its error stays well inside the attention's float64 bound, tested), then scaled by
-// 2^n through the exponent bits. Below -87.3 (the
-// smallest normal float32's log) the result is 2^-126 times e^r, far under a sum's rounding.
+// e^x for x <= 0 (a score minus its row's maximum): PRELUDE's Cephes expf in 8 lanes (its error stays
+// well inside the attention's float64 bound, tested)
 AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(EXP_FLOOR));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x));
+  __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
@@ -347,31 +336,14 @@ AVX2 inline void span_weights(float* s, int64_t seen, int64_t n, float scale, fl
 
 template <int D, typename T>
 struct AttendOp {
-  // rows (H, R, D): row r is token r % T of its head's query group; token t sees the first limits[t]
-  // keys. A task is a (head, span): its rows' scores in a scratch block, their weights, then their
-  // weighted sum of the span's values; heads then merge their spans (exp of each span's maximum
-  // against the head's), span by span in order, so that 1 or 2 threads give the same bits.
+  // A (head, span) task of PRELUDE's attend_spans: the rows' scores in a scratch block, their weights,
+  // then their weighted sum of the span's values.
   static void run(const at::Tensor& keys, const at::Tensor& values, const float* rows, int64_t R,
                   const int64_t* limits, int64_t tokens, float scale, float* out) {
-    int64_t H = keys.size(0), S = keys.size(1), C = spans(S);
     const T* k = reinterpret_cast<const T*>(keys.const_data_ptr());
     const T* v = reinterpret_cast<const T*>(values.const_data_ptr());
-    std::vector<float> parts(H * C * R * D), tops(H * C * R), totals(H * C * R);
-    over_tasks(H * C, 2 * H * S * R * D, [&](int64_t task) {
-      int64_t h = task % H, c = task / H, t = h * C + c, s0 = c * SPAN, n = std::min(SPAN, S - s0), reach = 0;
-      std::vector<int64_t> seen(R);
-      for (int64_t r = 0; r < R; ++r) {
-        seen[r] = std::clamp<int64_t>(limits[r % tokens] - s0, 0, n);
-        reach = std::max(reach, seen[r]);
-      }
-      float* part = parts.data() + t * R * D;
-      float *top = tops.data() + t * R, *total = totals.data() + t * R;
-      if (reach == 0) {  // no row sees this span (keys past the sequence, a row's future)
-        std::fill(part, part + R * D, 0.0f);
-        std::fill(top, top + R, -INFINITY);
-        std::fill(total, total + R, 0.0f);
-        return;
-      }
+    attend_spans(keys.size(0), keys.size(1), R, D, limits, tokens, out,
+                 [&](int64_t h, int64_t s0, int64_t reach, const int64_t* seen, float* part, float* top, float* total) {
       // each thread's scratch, kept between calls: a fresh one per task (up to 344 KB at 42 rows) cost
       // its page faults every time, as much as the softmax itself
       thread_local std::vector<float> scratch;
@@ -381,23 +353,6 @@ struct AttendOp {
       for (int64_t r = 0; r < R; ++r) span_weights(weights + r * reach, seen[r], reach, scale, top[r], total[r]);
       mix_head<D, T>(weights, R, reach, reach, v + h * values.stride(0) + s0 * D, part);
     });
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t r = 0; r < R; ++r) {
-        float m = -INFINITY, l = 0.0f;
-        for (int64_t c = 0; c < C; ++c) m = std::max(m, tops[(h * C + c) * R + r]);
-        float* o = out + (h * R + r) * D;
-        std::fill(o, o + D, 0.0f);
-        for (int64_t c = 0; c < C; ++c) {
-          int64_t i = (h * C + c) * R + r;
-          if (totals[i] == 0.0f) continue;
-          float w = std::exp(tops[i] - m);
-          l += w * totals[i];
-          const float* part = parts.data() + i * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * part[d];
-        }
-        float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
   }
 };
 
