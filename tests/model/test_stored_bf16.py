@@ -54,6 +54,21 @@ def test_kernel_is_the_float64_dequantized_product(kind, rows, shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
+def test_a_row_of_a_batch_is_that_row_alone(kind):
+    """A verification pass of R tokens computes each row as a one-token pass does, bit for bit (each
+    row's sums run in one order whatever rows share the call): greedy verification cannot flip a
+    near-tie that plain decoding resolves the other way. Over 8,192 x 9 outputs of 2,048 columns, two
+    chains of sums at 2-4 rows (against four for one) changed a few of them."""
+    k = 2048
+    layer = packed_from_blocks(blocks_of(kind, 8192, k, seed=3), torch.bfloat16)
+    x = (torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * 2).bfloat16()
+    alone = torch.cat([layer(x[r:r + 1]) for r in range(9)])
+    for rows in (2, 3, 4, 5, 7, 9):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@needs_kernels
 def test_kernel_is_closer_to_the_gguf_model_than_the_int4_kernel():
     """The int4 kernel takes bf16 scales and zeros (each weight off by up to a bf16 rounding); the
     records hold the GGUF's own: the float32-sum bound holds here and fails there."""
