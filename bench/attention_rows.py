@@ -1,13 +1,15 @@
 """Milliseconds of decode attention's two products per pass against how many query rows share a KV
 head (GQA group x verified tokens): the CPU bf16 kernels of model/decode_attention.py, the kernels of
 an earlier revision (at most 16 rows per call: more go in chunks of 16) and torch.bmm, for L layers
-x H KV heads at S keys, one thread, medians of several repeats after a warm-up.
+x H KV heads at S keys, one thread (or --threads), medians of several repeats after a warm-up. Then
+the whole attention: the two products with torch's softmax between them (three calls, as before
+session 17) against `attend`, scores, softmax and values in one call.
 
 The floors: memory, reading every key and value once at the bandwidth one thread reads a long array
 at; compute, the rows' multiply-adds at the peak rate of avx512_bf16's pair dot products (32 per
 instruction), both measured here by small probes.
 
-    python -m bench.attention_rows [--old ae7300c --rows 1,3,6,9,12,15,21,42 --keys 16384]
+    python -m bench.attention_rows [--old ae7300c --rows 1,3,6,9,12,15,21,42 --keys 16384 --threads 1]
 """
 from __future__ import annotations
 
@@ -122,6 +124,10 @@ def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repea
         row = {"rows": R}
         row["new_scores"] = median_ms(lambda: [decode_attention.scores(q, k) for k, _ in cache], repeats)
         row["new_mix"] = median_ms(lambda: [decode_attention.mix(probs, v) for _, v in cache], repeats)
+        scale, limits = dim ** -0.5, torch.tensor([keys])
+        row["three_calls"] = median_ms(lambda: [decode_attention.mix(
+            torch.softmax(decode_attention.scores(q, k).mul_(scale), dim=-1), v) for k, v in cache], repeats)
+        row["attend"] = median_ms(lambda: [decode_attention.attend(q, k, v, limits, scale) for k, v in cache], repeats)
         row["bmm"] = median_ms(lambda: [(torch.bmm(q, k.transpose(1, 2)), torch.bmm(probs, v)) for k, v in cache],
                                repeats)
         if have_old:
@@ -137,18 +143,19 @@ def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repea
 
 def table(rows: list[dict], info: dict, args) -> str:
     lines = [f"decode attention, {args.layers} layers x {args.heads} KV heads, head_dim {args.dim}, {args.keys} keys, "
-             f"1 thread: ms per pass (scores + values)",
+             f"{args.threads} thread(s): ms per pass (scores + values; then the attention whole)",
              f"floors: memory {info['kv_mb']:.0f} MB at {info['read_gbs']:.1f} GB/s, compute at "
              f"{info['dot_gmacs']:.0f} G bf16 multiply-adds/s (pair dot products)",
              f"{'rows':>4} {'old':>7} {'new':>7} {'(scores':>8} {'values)':>8} {'bmm':>7} {'floor':>7} "
-             f"{'compute':>8} {'memory':>7}"]
+             f"{'compute':>8} {'memory':>7} {'3 calls':>8} {'attend':>7}"]
     for r in rows:
         new = r["new_scores"] + r["new_mix"]
         old = f"{r['old']:7.1f}" if "old" in r else f"{'-':>7}"
         floor = max(r["compute_floor"], r["memory_floor"])
         lines.append(f"{r['rows']:>4} {old}{'*' if r['rows'] > OLD_MAX_ROWS and 'old' in r else ' '}"
                      f"{new:6.1f} {r['new_scores']:8.1f} {r['new_mix']:8.1f} {r['bmm']:7.1f} "
-                     f"{floor:7.1f} {r['compute_floor']:8.1f} {r['memory_floor']:7.1f}")
+                     f"{floor:7.1f} {r['compute_floor']:8.1f} {r['memory_floor']:7.1f} {r['three_calls']:8.1f} "
+                     f"{r['attend']:7.1f}")
     lines.append(f"* in calls of at most {OLD_MAX_ROWS} rows; floor: the larger of compute and memory")
     return "\n".join(lines)
 
@@ -162,8 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=64, choices=decode_attention.HEAD_DIMS)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--old", default="ae7300c", help="git revision of the earlier kernels ('' for none)")
+    ap.add_argument("--threads", type=int, default=1, help="torch's threads (the floors stay one thread's)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if not decode_attention.available():
         print("the kernels do not build here (no avx512_bf16 or no C++ compiler)", file=sys.stderr)
         return 1
