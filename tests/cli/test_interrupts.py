@@ -161,6 +161,12 @@ def test_chat_at_startup(model, tmp_path):
     finally:
         stop(proc, model)
     err = (tmp_path / "err").read_text()
+    if "Fatal Python error: init_import_site" in err and err.rstrip().endswith("KeyboardInterrupt"):
+        # the signal came while the interpreter itself imported `site` (the venv's .pth files), before
+        # a line of ours could run: Python reports that itself, as it would for any script (seen once
+        # on a loaded machine). Nothing of ours was imported: the report names no file of the package.
+        assert str(ROOT / "triforce") + os.sep not in err, err
+        return
     assert "Traceback" not in err, err
     assert "ready in" not in err, err  # the signal came first: chat never got as far as its book
     if proc.returncode != -signal.SIGINT:

@@ -560,15 +560,19 @@ def available() -> bool:
 
 
 def _self_check() -> bool:
-    """3 rows take the few-row loops, 9 the tiled ones; 77 keys end in a part block and an odd key."""
+    """3 rows (one tile of the values) and 9 (the tiled loops), 77 keys ending in a part block and an
+    odd key: the products against bmm, and the attention whole against float32's softmax."""
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 77, 64, generator=g).bfloat16()
     for n in (3, 9):
         rows = torch.randn(2, n, 64, generator=g).bfloat16()
         probs = torch.rand(2, n, 77, generator=g).bfloat16()
+        weights = torch.softmax(torch.bmm(rows.float(), cache.float().transpose(1, 2)) * 0.125, dim=-1)
         if not (torch.allclose(scores(rows, cache).float(), torch.bmm(rows, cache.transpose(1, 2)).float(),
                                rtol=1e-2, atol=1e-2)
-                and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2)):
+                and torch.allclose(mix(probs, cache).float(), torch.bmm(probs, cache).float(), rtol=1e-2, atol=1e-2)
+                and torch.allclose(attend(rows, cache, cache, torch.tensor([77]), 0.125).float(),
+                                   torch.bmm(weights, cache.float()), rtol=2e-2, atol=2e-2)):
             return False
     return True
 
