@@ -62,3 +62,49 @@ def test_bf16_stored_products_are_the_same_on_two_threads(threads, N, K, R):
     assert torch.equal(one, two)
     dense = ((codes.double() - 0) * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1))
     assert (one.double() - x.double() @ dense.T).abs().max() <= 2 ** -6 * (x.double().abs() @ dense.abs().T).max()
+
+
+SLEEPING_CHECK = r"""
+import hashlib, sys, torch
+from triforce.model import decode_attention, decode_attention_f32, stored_bf16
+from triforce.model.stored import packed_from_blocks
+from tests.model.test_stored import random_blocks
+g = torch.Generator().manual_seed(0)
+digest = []
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    h = hashlib.sha256()
+    for S, R in ((4097, 3), (16384, 3), (4097, 21)):
+        keys, values = (torch.randn(3, S, 64, generator=torch.Generator().manual_seed(S)) for _ in range(2))
+        rows = torch.randn(3, R, 64, generator=torch.Generator().manual_seed(R))
+        limits = torch.tensor([S])
+        if decode_attention.available():
+            h.update(decode_attention.attend(rows.bfloat16(), keys.bfloat16(), values.bfloat16(), limits, 0.125).view(torch.int16).numpy().tobytes())
+        if decode_attention_f32.available():
+            h.update(decode_attention_f32.attend(rows, keys.half(), values.half(), limits, 0.125).numpy().tobytes())
+    if stored_bf16.available():
+        for n in (576, 49152):  # a layer's product (serial where threads sleep), the head's (split)
+            layer = packed_from_blocks(random_blocks("Q8_0", n, 576, seed=n), torch.bfloat16)
+            h.update(layer(torch.randn(1, 576, generator=torch.Generator().manual_seed(1)).bfloat16()).view(torch.int16).numpy().tobytes())
+    digest.append(h.hexdigest())
+print(" ".join(digest))
+"""
+
+
+def test_sleeping_threads_give_the_bits_of_spinning_ones_and_of_one_thread():
+    """Where OpenMP's threads sleep between calls (OMP_WAIT_POLICY=PASSIVE, the command line's), the
+    kernels split only work that pays for a wake (cpu_kernels.threads_sleep): the bits stay those of
+    one thread and of spinning threads. Each policy in its own process (libgomp reads it at load)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    digests = []
+    for policy in ("PASSIVE", "ACTIVE"):
+        proc = subprocess.run([sys.executable, "-c", SLEEPING_CHECK], cwd=root, capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "OMP_WAIT_POLICY": policy})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        digests += proc.stdout.split()
+    assert len(digests) == 4 and len(set(digests)) == 1, digests

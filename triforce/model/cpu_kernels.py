@@ -25,23 +25,41 @@ PRELUDE = r"""
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+// How long handing work to OpenMP's other threads takes. The command line sets OMP_WAIT_POLICY=PASSIVE
+// (triforce/cli/__init__.py: spinning threads fight a busy machine's other jobs for its cores), and
+// then every parallel call wakes a sleeping thread: ~45 us a call on this project's 2-core EPYC, ~150
+// calls a SmolLM2 decode step, so two threads decoded slower than one (4K: 13.8 ms a step against 9.7;
+// spinning threads 6.8). Under that policy a call goes parallel only where its work pays for a wake
+// many times over; spinning threads keep the small shares.
+inline bool threads_sleep() {
+  static const bool passive = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    return policy && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0);
+  }();
+  return passive;
+}
+
+// the least work (multiply-adds, or weights of a product) worth splitting over threads
+inline int64_t parallel_work(int64_t spinning, int64_t sleeping) { return threads_sleep() ? sleeping : spinning; }
 
 // Tasks over torch's threads (where the module is built with OpenMP), each taken by whichever thread
 // is free: a head's span of keys, a group of output rows. No task's result depends on the thread or
 // on the others, so any number of threads gives the same bits. Taken in order, so callers put the
 // small tasks (a last partial span) last; dealt out in fixed shares, SmolLM2's 4,097 keys (3 heads x
 // 3 spans, the last a key long) gave one thread 4 full spans and the other 2. Calls of less work
-// than SERIAL_WORK multiply-adds stay on the calling thread (waking OpenMP's threads costs more).
-constexpr int64_t SERIAL_WORK = int64_t(1) << 20;
+// than SERIAL_WORK multiply-adds (SLEEPING_SERIAL_WORK where threads sleep) stay on the calling thread.
+constexpr int64_t SERIAL_WORK = int64_t(1) << 20, SLEEPING_SERIAL_WORK = int64_t(1) << 23;
 
 template <typename F>
 void over_tasks(int64_t tasks, int64_t work, const F& task) {
   int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  if (work < SERIAL_WORK || threads <= 1) {
+  if (work < parallel_work(SERIAL_WORK, SLEEPING_SERIAL_WORK) || threads <= 1) {
     for (int64_t t = 0; t < tasks; ++t) task(t);
     return;
   }
