@@ -208,6 +208,7 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "ms_per_pass": ms_per_pass(mode, stats, seconds),
         "link_floor": link_floor(stats, session.device) if mode in ALL_OURS else None,
         "modes": stats.get("modes") or None,  # an adaptive system's full passes per mode
+        "tokens": r["tokens"],  # which run resolved a tie which way, when the tokens differ
     }
     return row
 
