@@ -119,7 +119,9 @@ def interrupted_run(cmd: list, model: Path, logs: Path, sig: signal.Signals, lim
         left = survivors(proc, model)
     finally:
         stop(proc, model)
-    assert proc.returncode == 130, err
+    # 130, or for Ctrl-C the process ended by the signal itself after saying "interrupted" (seen once,
+    # on a loaded CI machine, at the very start of a prefill): a shell reports both as 130
+    assert proc.returncode == 130 or (sig == signal.SIGINT and proc.returncode == -signal.SIGINT), err
     assert seconds < limit, (seconds, err)
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "interrupted", err
