@@ -31,43 +31,52 @@ PRELUDE = r"""
 
 namespace {
 
-// How long handing work to OpenMP's other threads takes. The command line sets OMP_WAIT_POLICY=PASSIVE
-// (triforce/cli/__init__.py: spinning threads fight a busy machine's other jobs for its cores), and
-// then every parallel call wakes a sleeping thread: ~45 us a call on this project's 2-core EPYC, ~150
-// calls a SmolLM2 decode step, so two threads decoded slower than one (4K: 13.8 ms a step against 9.7;
-// spinning threads 6.8). Under that policy a call goes parallel only where its work pays for a wake
-// many times over; spinning threads keep the small shares.
-inline bool threads_sleep() {
-  static const bool passive = [] {
-    const char* policy = std::getenv("OMP_WAIT_POLICY");
-    return policy && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0);
-  }();
-  return passive;
-}
-
-// the least work (multiply-adds, or weights of a product) worth splitting over threads
-inline int64_t parallel_work(int64_t spinning, int64_t sleeping) { return threads_sleep() ? sleeping : spinning; }
-
-// Tasks over torch's threads (where the module is built with OpenMP), each taken by whichever thread
-// is free: a head's span of keys, a group of output rows. No task's result depends on the thread or
-// on the others, so any number of threads gives the same bits. Taken in order, so callers put the
-// small tasks (a last partial span) last; dealt out in fixed shares, SmolLM2's 4,097 keys (3 heads x
-// 3 spans, the last a key long) gave one thread 4 full spans and the other 2. Calls of less work
-// than SERIAL_WORK multiply-adds (SLEEPING_SERIAL_WORK where threads sleep) stay on the calling thread.
-constexpr int64_t SERIAL_WORK = int64_t(1) << 20, SLEEPING_SERIAL_WORK = int64_t(1) << 23;
+// The process's one pool of threads (POOL_SOURCE below, a module of its own so that every kernel
+// module shares its threads), handed to each module by the module's use_pool op; until then, or where
+// the pool does not build, the kernels run on the calling thread.
+using Task = void (*)(const void* context, int64_t task);
+using PoolRun = void (*)(int64_t tasks, Task task, const void* context);
+PoolRun pool_run = nullptr;
+void use_pool(int64_t address) { pool_run = reinterpret_cast<PoolRun>(address); }
 
 template <typename F>
-void over_tasks(int64_t tasks, int64_t work, const F& task) {
-  int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  if (work < parallel_work(SERIAL_WORK, SLEEPING_SERIAL_WORK) || threads <= 1) {
+void call_task(const void* task, int64_t t) { (*static_cast<const F*>(task))(t); }
+
+// Tasks over the pool's threads (torch's, --threads), each taken by whichever thread is free: a
+// head's span of keys, a range of output rows. No task's result depends on the thread or on the
+// others, so any number of threads gives the same bits. Taken in order, so callers put the small
+// tasks (a last partial span) last; dealt out in fixed shares, SmolLM2's 4,097 keys (3 heads x 3
+// spans, the last a key long) gave one thread 4 full spans and the other 2.
+template <typename F>
+void run_tasks(int64_t tasks, const F& task) {
+  if (tasks <= 1 || pool_run == nullptr) {
     for (int64_t t = 0; t < tasks; ++t) task(t);
     return;
   }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i)
-      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) task(t);
-  });
+  pool_run(tasks, &call_task<F>, &task);
+}
+
+// run_tasks for calls of at least SERIAL_WORK multiply-adds; smaller ones stay on the calling thread
+constexpr int64_t SERIAL_WORK = int64_t(1) << 20;
+
+template <typename F>
+void over_tasks(int64_t tasks, int64_t work, const F& task) {
+  if (work < SERIAL_WORK) {
+    for (int64_t t = 0; t < tasks; ++t) task(t);
+    return;
+  }
+  run_tasks(tasks, task);
+}
+
+// [0, n) as ranges range(first, last) of at least `grain` items each (a few microseconds of work),
+// and at most MAX_RANGES: small enough that a thread which starts late (woken from sleep) leaves
+// its share to the others
+constexpr int64_t MAX_RANGES = 64;
+
+template <typename F>
+void over_ranges(int64_t n, int64_t grain, const F& range) {
+  int64_t size = std::max<int64_t>({grain, int64_t(1), (n + MAX_RANGES - 1) / MAX_RANGES});
+  run_tasks((n + size - 1) / size, [&](int64_t t) { range(t * size, std::min(n, (t + 1) * size)); });
 }
 
 // ======== attention over spans of keys (flash decoding), the attention kernels' common frame ========
@@ -184,30 +193,44 @@ _BUILT: dict[str, bool] = {}
 
 
 def built(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
-          isa: frozenset[str] = AVX512_BF16, openmp: bool = False, cflags: tuple[str, ...] = ()) -> bool:
+          isa: frozenset[str] = AVX512_BF16, pool_ops: str = "", cflags: tuple[str, ...] = ()) -> bool:
     """Whether the extension `name` (PRELUDE + source) builds here, its ops' shapes registered for
     torch.compile, and passes `check` on a small case; only where the CPU has `isa`, the
-    instructions its code uses. `openmp`: built with OpenMP, so that at::parallel_for splits work
-    over torch's threads (the libgomp torch loaded serves it: same soname). Built and checked once
+    instructions its code uses. `pool_ops`: the torch.ops namespace of a module whose kernels split
+    work over threads; its use_pool op gets the process's pool (cpu_pool.py). Built and checked once
     per process: any failure (no compiler, no headers, an ISA the build rejects, a wrong result)
     means False. `cflags`: the compiler's further flags."""
     if name not in _BUILT:
-        _BUILT[name] = cpu_has(isa) and _build_and_check(name, source, register_shapes, check, openmp, cflags)
+        _BUILT[name] = cpu_has(isa) and load(name, source, cflags=cflags) and _checked(
+            register_shapes, check, pool_ops)
     return _BUILT[name]
 
 
-def _build_and_check(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
-                     openmp: bool, cflags: tuple[str, ...] = ()) -> bool:
+def load(name: str, source: str, prelude: bool = True, cflags: tuple[str, ...] = ()) -> bool:
+    """Build (or find built) and load the extension `name`: whether it loaded."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        flags = (["-O3", "-fopenmp"] if openmp else ["-O3"]) + list(cflags)
+        flags = ["-O3", *cflags]
+        text = (PRELUDE if prelude else "") + source
         # the source's hash in the build's name: checkouts with different sources (two branches, two
         # versions) keep a build each instead of rebuilding one another's (~16 s each time)
-        digest = hashlib.sha256((PRELUDE + source + " ".join(flags)).encode()).hexdigest()[:10]
-        load_inline(f"{name}_{digest}", cpp_sources=[PRELUDE + source], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"] if openmp else None, is_python_module=False)
+        digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:10]
+        load_inline(f"{name}_{digest}", cpp_sources=[text], extra_cflags=flags, is_python_module=False)
+        return True
+    except Exception:  # noqa: BLE001 - not here, whatever the reason: the callers keep torch's ops
+        return False
+
+
+def _checked(register_shapes: Callable[[], None], check: Callable[[], bool], pool_ops: str) -> bool:
+    try:
+        if pool_ops:
+            import torch
+
+            from . import cpu_pool
+
+            getattr(torch.ops, pool_ops).use_pool(cpu_pool.address())
         register_shapes()
         return bool(check())
-    except Exception:  # noqa: BLE001 - not here, whatever the reason: the callers keep torch's ops
+    except Exception:  # noqa: BLE001 - as in load
         return False

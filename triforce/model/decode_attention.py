@@ -536,6 +536,7 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY(triforce_decode, m) {
+  m.def("use_pool(int address) -> ()", &use_pool);
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
   m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
@@ -556,7 +557,7 @@ TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
 def available() -> bool:
     """Whether the kernels build here and compute bmm's products on a small case (any failure,
     a missing compiler or headers, means attention keeps bmm). Asked once per process."""
-    return cpu_kernels.built("triforce_decode_attention", SOURCE, _register_shapes, _self_check, openmp=True)
+    return cpu_kernels.built("triforce_decode_attention", SOURCE, _register_shapes, _self_check, pool_ops="triforce_decode")
 
 
 def _self_check() -> bool:

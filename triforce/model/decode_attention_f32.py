@@ -542,6 +542,7 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY(triforce_decode_f32, m) {
+  m.def("use_pool(int address) -> ()", &use_pool);
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
   m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
@@ -563,7 +564,7 @@ def available() -> bool:
     """Whether the kernels build here (avx2, fma, f16c and a C++ compiler) and compute bmm's
     products on a small case; any failure means attention keeps torch's GEMMs. Asked once per process."""
     return cpu_kernels.built("triforce_decode_attention_f32", SOURCE, _register_shapes, _self_check,
-                             isa=cpu_kernels.AVX2, openmp=True)
+                             isa=cpu_kernels.AVX2, pool_ops="triforce_decode_f32")
 
 
 def _self_check() -> bool:

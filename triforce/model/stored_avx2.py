@@ -60,7 +60,6 @@ namespace {
 
 constexpr int BLOCK_COLUMNS = 32;
 constexpr int64_t GRAIN_WEIGHTS = int64_t(1) << 19;  // ~0.1 ms of one thread's work
-constexpr int64_t SLEEPING_GRAIN_WEIGHTS = int64_t(1) << 22;  // where threads sleep (PRELUDE's threads_sleep)
 inline float scale_value(uint16_t h) { return c10::Half(h, c10::Half::from_bits()); }
 inline float scale_value(float f) { return f; }
 
@@ -261,8 +260,8 @@ AVX2 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int64
   const uint8_t* rec = records.const_data_ptr<uint8_t>();
   // groups of output rows split over torch's threads (compute-bound past a row or two on avx2); a
   // thread's share is at least GRAIN_WEIGHTS weight-rows of work, so small matrices stay on one
-  const int64_t grain = std::max<int64_t>(1, parallel_work(GRAIN_WEIGHTS, SLEEPING_GRAIN_WEIGHTS) / (16 * K * std::max<int64_t>(R, 1)));
-  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+  const int64_t grain = std::max<int64_t>(1, GRAIN_WEIGHTS / (16 * K * std::max<int64_t>(R, 1)));
+  over_ranges(groups, grain, [&](int64_t first, int64_t last) {
   for (int64_t g = first; g < last; ++g) {
     const uint8_t* group = rec + g * blocks * bytes;
     for (int64_t r0 = 0; r0 < R; r0 += TILE) {
@@ -289,7 +288,7 @@ AVX2 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int64
 template <typename Scale>
 void dense(const uint8_t* rec, int64_t groups, int64_t blocks, int64_t n, bool q4, float* w) {
   const int64_t K = BLOCK_COLUMNS * blocks, bytes = q4 ? q4_record<Scale>() : q8_record<Scale>();
-  at::parallel_for(0, groups, std::max<int64_t>(1, parallel_work(GRAIN_WEIGHTS, SLEEPING_GRAIN_WEIGHTS) / (16 * K)), [&](int64_t first, int64_t last) {
+  over_ranges(groups, std::max<int64_t>(1, GRAIN_WEIGHTS / (16 * K)), [&](int64_t first, int64_t last) {
   for (int64_t g = first; g < last; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* r = rec + (g * blocks + b) * bytes;
@@ -330,6 +329,7 @@ at::Tensor q8_dense(const at::Tensor& records, int64_t n) { return dequantize(re
 #pragma GCC pop_options
 
 TORCH_LIBRARY(triforce_stored_f32, m) {
+  m.def("use_pool(int address) -> ()", &use_pool);
   m.def("q4_product(Tensor x, Tensor records, int out_features) -> Tensor");
   m.def("q8_product(Tensor x, Tensor records, int out_features) -> Tensor");
   m.def("q4_dense(Tensor records, int out_features) -> Tensor");
@@ -349,7 +349,7 @@ def available() -> bool:
     """Whether the kernels build here (avx2, FMA, F16C and a C++ compiler) and compute the dequantized
     product on a small case. Asked once per process."""
     return cpu_kernels.built("triforce_stored_f32", SOURCE, _register_shapes, _self_check,
-                             isa=cpu_kernels.AVX2, openmp=True)
+                             isa=cpu_kernels.AVX2, pool_ops="triforce_stored_f32")
 
 
 def _self_check() -> bool:

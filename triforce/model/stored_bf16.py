@@ -52,7 +52,6 @@ SOURCE = r"""
 namespace {
 
 constexpr int64_t GRAIN_WEIGHTS = int64_t(1) << 18;  // a thread's least share: ~4 us at memory speed
-constexpr int64_t SLEEPING_GRAIN_WEIGHTS = int64_t(1) << 22;  // where threads sleep: ~60 us, past a wake's ~45
 
 // bfloat16 bit patterns of 32 table entries: vpermw indexes with a word's low 5 bits, so entry i
 // is the value of the nibble i & 15 (bit 4 of the index is another nibble's, and ignored)
@@ -208,8 +207,8 @@ AVX512 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int
   const uint8_t* rec = records.const_data_ptr<uint8_t>();
   // groups of output rows split over torch's threads, each thread's share at least GRAIN_WEIGHTS
   // weight-rows of work (smaller matrices stay on one); a group's outputs do not depend on the split
-  const int64_t grain = std::max<int64_t>(1, parallel_work(GRAIN_WEIGHTS, SLEEPING_GRAIN_WEIGHTS) / (16 * K * std::max<int64_t>(R, 1)));
-  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+  const int64_t grain = std::max<int64_t>(1, GRAIN_WEIGHTS / (16 * K * std::max<int64_t>(R, 1)));
+  over_ranges(groups, grain, [&](int64_t first, int64_t last) {
   for (int64_t g = first; g < last; ++g) {
     const uint8_t* group = rec + g * blocks * bytes;
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
@@ -239,6 +238,7 @@ at::Tensor q8_product(const at::Tensor& x, const at::Tensor& records, int64_t n)
 #pragma GCC pop_options
 
 TORCH_LIBRARY(triforce_stored, m) {
+  m.def("use_pool(int address) -> ()", &use_pool);
   m.def("q4_product(Tensor x, Tensor records, int out_features) -> Tensor");
   m.def("q8_product(Tensor x, Tensor records, int out_features) -> Tensor");
 }
@@ -254,7 +254,7 @@ TORCH_LIBRARY_IMPL(triforce_stored, CPU, m) {
 def available() -> bool:
     """Whether the kernels build here and compute the dequantized product on a small case (any
     failure keeps torch's int4 kernel). Asked once per process."""
-    return cpu_kernels.built("triforce_stored_bf16", SOURCE, _register_shapes, _self_check, openmp=True)
+    return cpu_kernels.built("triforce_stored_bf16", SOURCE, _register_shapes, _self_check, pool_ops="triforce_stored")
 
 
 def _self_check() -> bool:

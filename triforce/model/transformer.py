@@ -12,7 +12,7 @@ from torch import nn
 
 from functools import partial
 
-from . import eager_steps, layer_ops
+from . import cpu_pool, eager_steps, layer_ops
 from .kv import KVShape
 from .config import ModelConfig
 from .rope import Rotary, apply_rotary
@@ -131,6 +131,13 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """tokens (T,) -> logits (T, vocab), or (1, vocab) for the last token only."""
+        if (tokens.device.type == "cpu" and tokens.shape[0] <= eager_steps.MAX_ROWS
+                and not torch.compiler.is_compiling()):
+            with cpu_pool.kernels_threaded():  # decode-sized: torch's ops stay on one thread
+                return self._forward(tokens, cache, last_only)
+        return self._forward(tokens, cache, last_only)
+
+    def _forward(self, tokens: torch.Tensor, cache, last_only: bool) -> torch.Tensor:
         T = tokens.shape[0]
         positions = cache.begin(T)
         x = self.embed(tokens)
