@@ -169,3 +169,38 @@ def test_either_wait_policy_gives_the_bits_of_one_thread():
         assert proc.returncode == 0, proc.stderr[-2000:]
         digests += proc.stdout.split()
     assert len(digests) == 4 and len(set(digests)) == 1, digests
+
+
+@pytest.mark.skipif(not stored_bf16.available(), reason="no bf16 kernels over stored blocks")
+def test_decoding_runs_torchs_ops_on_one_thread_and_the_kernels_on_the_pool(tmp_path):
+    """The engine's decode loop on our products: every pass of a few rows sees torch on one thread
+    and the pool on the run's two; the prompt's pass sees torch's two; after the run both are as
+    before, and the tokens are those of a run on one thread."""
+    from tests.model.test_decode_attention_bf16 import GQA_CFG
+    from tests.model.test_stored import write_tiny_gguf
+    from triforce.model.gguf_loader import load_gguf_model
+    from triforce.speculative import GenerationConfig, Models, generate_ids
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", seed=4, cfg=GQA_CFG)
+    target = load_gguf_model(tmp_path / "tiny.gguf", torch.bfloat16, stored=True)
+    assert target.products_ours()
+    seen = []
+    target.embed.register_forward_hook(lambda m, args, out: seen.append(
+        (args[0].shape[0], torch.get_num_threads(), torch.ops.triforce_pool.threads())))
+    ids = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = GenerationConfig(max_new_tokens=24, budget=64, chunk_size=8, gamma1=3, gamma2=5, draft_window=32,
+                           sink_tokens=4, prefill_chunk=256)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = generate_ids(Models(target, None), ids, "retrieval", cfg).tokens
+        torch.set_num_threads(2)
+        seen.clear()
+        two = generate_ids(Models(target, None), ids, "retrieval", cfg).tokens
+        assert (torch.get_num_threads(), torch.ops.triforce_pool.threads()) == (2, 2)
+    finally:
+        torch.set_num_threads(before)
+    assert two == one
+    few = [(t, p) for rows, t, p in seen if rows <= 31]
+    assert len(few) > 10 and set(few) == {(1, 2)}, seen
+    assert {(t, p) for rows, t, p in seen if rows > 31} == {(2, 2)}, seen

@@ -243,24 +243,45 @@ TORCH_LIBRARY(triforce_pool, m) {
 _ADDRESS: list[int] = []
 
 
+_SCOPES: list[int] = []  # the torch threads each open kernels_threaded scope took, innermost last
+
+
 @contextmanager
 def kernels_threaded():
     """Within: torch's own ops on the calling thread, the pool's kernels on the threads torch had.
-    For passes of a few rows, where torch's ops are small (a norm, a conversion of the logits) and
-    an OpenMP region there costs more than it saves: under OpenMP's default wait policy its threads
-    then spin for a while after, on the cores the pool's helpers need (SmolLM2 bf16 at 4K on two
-    cores: 11.2 ms a step against 7.1 with this)."""
+    For decoding on our kernels (a pass of a few rows, or the engine's whole decode loop), where
+    torch's ops are small (a norm, the logits' conversion, sampling over the vocabulary) and an
+    OpenMP region costs more than it saves: under OpenMP's default wait policy its threads then spin
+    for a while after, on the cores the pool's helpers need (SmolLM2 bf16 at 4K on two cores: 11.2 ms
+    a step against 7.1 with this). Nested scopes change nothing; `torch_threaded` undoes it for a
+    pass of many rows inside."""
     threads = torch.get_num_threads()
-    if threads == 1 or not (_ADDRESS and _ADDRESS[0]):  # no kernel of ours took the pool
+    if threads == 1 or not (_ADDRESS and _ADDRESS[0]):  # one thread anyway, or no kernel of ours took the pool
         yield
         return
     torch.ops.triforce_pool.set_threads(threads)
     torch.set_num_threads(1)
+    _SCOPES.append(threads)
     try:
         yield
     finally:
+        _SCOPES.pop()
         torch.set_num_threads(threads)
-        torch.ops.triforce_pool.set_threads(0)
+        torch.ops.triforce_pool.set_threads(_SCOPES[-1] if _SCOPES else 0)
+
+
+@contextmanager
+def torch_threaded():
+    """Within a kernels_threaded scope, torch's ops on its threads again: a prefill piece or a long
+    catch-up pass, whose GEMMs want them. Elsewhere nothing changes."""
+    if not _SCOPES or torch.get_num_threads() != 1:
+        yield
+        return
+    torch.set_num_threads(_SCOPES[-1])
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 def address() -> int:

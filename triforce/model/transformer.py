@@ -127,13 +127,25 @@ class Transformer(nn.Module):
 
     def _apply(self, fn, recurse=True):
         eager_steps.forget(self)  # .to(), .float(), ...: the bound steps hold the old tensors
+        self.__dict__.pop("_products_ours", None)
         return super()._apply(fn, recurse)
+
+    def products_ours(self) -> bool:
+        """Whether this model's products on CPU run through our kernels over stored blocks (and so
+        over cpu_pool's threads), not torch's: asked once per model and dtype."""
+        if "_products_ours" not in self.__dict__:
+            dtype = self.embed.weight.dtype
+            self._products_ours = any(
+                m._records_kernels(torch.empty(1, m.in_features, dtype=dtype)) is not None
+                for m in self.layers[0].modules() if hasattr(m, "_records_kernels"))
+        return self._products_ours
 
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """tokens (T,) -> logits (T, vocab), or (1, vocab) for the last token only."""
-        if (tokens.device.type == "cpu" and tokens.shape[0] <= eager_steps.MAX_ROWS
-                and not torch.compiler.is_compiling()):
-            with cpu_pool.kernels_threaded():  # decode-sized: torch's ops stay on one thread
+        if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and self.products_ours():
+            # decode-sized passes on our products: torch's ops on one thread; longer ones on torch's
+            few = tokens.shape[0] <= eager_steps.MAX_ROWS
+            with cpu_pool.kernels_threaded() if few else cpu_pool.torch_threaded():
                 return self._forward(tokens, cache, last_only)
         return self._forward(tokens, cache, last_only)
 

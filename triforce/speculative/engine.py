@@ -27,10 +27,12 @@ the modes those levels make (and its gamma) its measurements predict cheapest (a
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
 
+from triforce.model import cpu_pool
 from triforce.model.errors import UserError
 from triforce.model.transformer import Transformer
 
@@ -488,16 +490,17 @@ class Generator:
             on_tokens([self.context[-1]], [self.full.name])
         moved = self.full.cache.bytes_moved  # an offloaded cache counts its copies
         start = time.perf_counter()
-        while len(out) < budget and out[-1] not in stop_ids:
-            new = self.step()
-            new = new[:budget - len(out)]
-            for i, t in enumerate(new):
-                if t in stop_ids:
-                    new = new[:i + 1]
-                    break
-            out += new
-            if on_tokens:
-                on_tokens(new, self.origins[:len(new)])
+        with self._decode_threads():
+            while len(out) < budget and out[-1] not in stop_ids:
+                new = self.step()
+                new = new[:budget - len(out)]
+                for i, t in enumerate(new):
+                    if t in stop_ids:
+                        new = new[:i + 1]
+                        break
+                out += new
+                if on_tokens:
+                    on_tokens(new, self.origins[:len(new)])
         # no synchronize: every round ended with its tokens on the host; upkeep queued after them
         # (a retrieval absorb) is paid by whoever next waits
         self.stats.decode_seconds += time.perf_counter() - start
@@ -508,6 +511,14 @@ class Generator:
         self.stats.new_tokens += len(out)
         self.stats.decode_tokens += len(out) - 1
         return out
+
+    def _decode_threads(self):
+        """On CPU with our kernels: the decode loop's torch ops (sampling, verification) on one thread
+        and the kernels on the pool's (model/cpu_pool.py kernels_threaded)."""
+        model = self.full.model
+        if self.device.type == "cpu" and isinstance(model, Transformer) and model.products_ours():
+            return cpu_pool.kernels_threaded()
+        return nullcontext()
 
     def step(self) -> list[int]:
         """One full-cache pass: propose, verify, commit. Returns the newly committed tokens, which
