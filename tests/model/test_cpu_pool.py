@@ -64,7 +64,6 @@ def test_two_callers_at_once_compute_what_one_thread_does():
     N = 8192
     records, x = _records(N, 576, 0)
     want = _product(records, x, N, 1)
-    torch.set_num_threads(2)
     wrong = []
 
     def call():
@@ -72,11 +71,16 @@ def test_two_callers_at_once_compute_what_one_thread_does():
             if not torch.equal(stored_bf16.q4_product(x, records, N), want):
                 wrong.append(1)
 
-    callers = [threading.Thread(target=call) for _ in range(2)]
-    for c in callers:
-        c.start()
-    for c in callers:
-        c.join()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's count is the process's: both callers see it
+    try:
+        callers = [threading.Thread(target=call) for _ in range(2)]
+        for c in callers:
+            c.start()
+        for c in callers:
+            c.join()
+    finally:
+        torch.set_num_threads(before)
     assert not wrong
 
 

@@ -57,8 +57,10 @@ void futex_wake(std::atomic<uint32_t>& word, int count) {
 }
 
 // How long a helper spins for the next call after its last task: a decode step's calls come tens of
-// microseconds apart, and a wake from the futex costs ~45 us (TRIFORCE_SPIN_US overrides)
-constexpr int64_t SPIN_US = 200;
+// microseconds apart, and a wake from the futex costs ~45 us. SmolLM2 bf16 on two cores, ms a step
+// at 4K (and the process's CPU ms): spin 0 us 8.3 (12.4), 30 us 6.6 (13.0), 60 us 6.5 (12.6),
+// 200 us 7.0 (13.9); longer spins only take cores from other work (TRIFORCE_SPIN_US overrides)
+constexpr int64_t SPIN_US = 50;
 
 Clock::duration spin_time() {
   const char* text = std::getenv("TRIFORCE_SPIN_US");
