@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
 
@@ -212,6 +213,32 @@ def as_flags(message: str) -> str:
     return re.sub(r"\b(GenerationConfig|Settings)\.(\w+)", flag, message)
 
 
+LOADING_LOG_SECONDS = 30.0  # away from a terminal, a line of loading progress at most this often
+
+
+@contextmanager
+def loading_status(console, what: str):
+    """While a session loads: at a terminal a spinner whose text the session updates (compiling the
+    CPU kernels on a first run, then loading the weights); elsewhere (a log, a pipe) the first update
+    and one every LOADING_LOG_SECONDS, so a first run's minute of compiling is said, not silent."""
+    if console.is_terminal:
+        with console.status(what) as status:
+            def update(text: str) -> None:  # the end of compiling stays on screen; the rest replace one another
+                console.print(text, highlight=False) if text.startswith("compiled ") else status.update(text)
+
+            yield update
+        return
+    said = [0.0]
+
+    def update(text: str) -> None:
+        now = time.monotonic()
+        if not said[0] or now - said[0] >= LOADING_LOG_SECONDS or text.startswith("compiled"):
+            console.print(text, highlight=False)
+            said[0] = now
+
+    yield update
+
+
 def open_session(run: Settings, text: str | None, modes=MODES, tokenizer=None, load: bool = True):
     """A Session whose notes and loading spinner go to a rich console on stderr (quiet on ranks other
     than 0), loaded for `modes` unless `load` is False."""
@@ -224,7 +251,7 @@ def open_session(run: Settings, text: str | None, modes=MODES, tokenizer=None, l
 
             self.console = Console(stderr=True)
             super().__init__(run, text, tokenizer, say=lambda note: self.console.print(f"[yellow]note:[/] {escape(as_flags(note))}"),
-                             loading=self.console.status)
+                             loading=lambda what: loading_status(self.console, what))
             self.console.quiet = not self.is_main
 
     session = ConsoleSession()

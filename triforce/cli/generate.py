@@ -55,17 +55,18 @@ def main(argv=None) -> int:
 
     session = open_session(opts.run, text, load=False)
     out = session.stdout
-    progress, advance = prefill_progress(session.console, len(session.prompt_ids))
+    bar: dict = {}  # made when the prefill starts: its clock and rate then leave out compiling and loading
     left = [len(session.prompt_ids)]
 
     def on_prefill(n: int) -> None:  # the bar shows from the prefill's start until its last token
         if n == 0:
-            progress.start()
+            bar["progress"], bar["advance"] = prefill_progress(session.console, len(session.prompt_ids))
+            bar["progress"].start()
             return
-        advance(n)
+        bar["advance"](n)
         left[0] -= n
         if left[0] <= 0:
-            progress.stop()
+            bar["progress"].stop()
 
     def write(piece: str) -> None:
         if not opts.json:
@@ -74,9 +75,10 @@ def main(argv=None) -> int:
 
     try:
         result = run_generation(session, on_text=write, on_prefill=on_prefill if session.is_main else None,
-                                watch_prefill=lambda model: watch_layers(model, advance if session.is_main else None))
+                                watch_prefill=lambda model: watch_layers(model, bar.get("advance")))
     finally:
-        progress.stop()
+        if "progress" in bar:
+            bar["progress"].stop()
     if not session.is_main:
         return 0
     if opts.json:

@@ -2,13 +2,17 @@
 stored_avx2.py: float32 on avx2): the CPU check, the build through torch's extension builder, and
 the C++ helpers every kernel source starts with.
 
-Each kernel module compiles its C++ at first use with `load_inline` (a C++ compiler and ninja, as
---compile needs anyway; cached on disk across processes) into torch ops that torch.compile calls as
+Each kernel module compiles its C++ at first use through torch's extension builder (a C++ compiler
+and ninja, as --compile needs anyway; cached on disk across processes, and built ahead of a run with
+progress by kernel_builds.py) into torch ops that torch.compile calls as
 opaque kernels. A module whose build or self-check fails keeps torch's own ops.
 """
 from __future__ import annotations
 
 import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .kv_dtype import cpu_flags
@@ -19,7 +23,6 @@ AVX2 = frozenset({"avx2", "fma", "f16c"})  # the float32 kernels' code
 PRELUDE = r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
@@ -192,34 +195,93 @@ def cpu_has(isa: frozenset[str] = AVX512_BF16) -> bool:
 _BUILT: dict[str, bool] = {}
 
 
-def built(name: str, source: str, register_shapes: Callable[[], None], check: Callable[[], bool],
-          isa: frozenset[str] = AVX512_BF16, pool_ops: str = "", cflags: tuple[str, ...] = ()) -> bool:
-    """Whether the extension `name` (PRELUDE + source) builds here, its ops' shapes registered for
-    torch.compile, and passes `check` on a small case; only where the CPU has `isa`, the
-    instructions its code uses. `pool_ops`: the torch.ops namespace of a module whose kernels split
-    work over threads; its use_pool op gets the process's pool (cpu_pool.py). Built and checked once
-    per process: any failure (no compiler, no headers, an ISA the build rejects, a wrong result)
-    means False. `cflags`: the compiler's further flags."""
-    if name not in _BUILT:
-        _BUILT[name] = cpu_has(isa) and load(name, source, cflags=cflags) and _checked(
-            register_shapes, check, pool_ops)
-    return _BUILT[name]
+@dataclass(frozen=True)
+class Kernel:
+    """One extension module: its C++ (after PRELUDE unless `prelude` is False), the CPU instructions
+    its code uses (`isa`), the compiler's further flags, and `pool_ops`, the torch.ops namespace of
+    a module whose kernels split work over threads (its use_pool op gets the process's pool,
+    cpu_pool.py)."""
+
+    name: str
+    source: str
+    isa: frozenset[str] = AVX512_BF16
+    cflags: tuple[str, ...] = ()
+    pool_ops: str = ""
+    prelude: bool = True
+
+    @property
+    def text(self) -> str:
+        return (PRELUDE if self.prelude else "") + self.source
+
+    @property
+    def flags(self) -> list[str]:
+        return ["-O3", *self.cflags]
+
+    @property
+    def build_name(self) -> str:
+        """The name with a hash of the source, flags, Python and torch (version and place): two
+        checkouts or two environments keep a build each, instead of rebuilding one another's."""
+        import sys
+
+        import torch
+
+        key = "\n".join([self.text, " ".join(self.flags), sys.version, torch.__version__, torch.__file__])
+        return f"{self.name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+    @property
+    def directory(self) -> Path:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        return Path(root) / "triforce" / self.build_name
+
+    def fits(self) -> bool:
+        """Whether this CPU has the instructions the code uses."""
+        return cpu_has(self.isa)
+
+    def compiled(self) -> bool:
+        """Whether a build is on disk (loading it then takes a moment, not a compile)."""
+        return (self.directory / f"{self.build_name}.so").exists()
+
+    def load(self) -> bool:
+        """Build (or find built) and load the module: whether it loaded. Once per process."""
+        if self.name not in _LOADED:
+            _LOADED[self.name] = _compile_and_load(self)
+        return _LOADED[self.name]
 
 
-def load(name: str, source: str, prelude: bool = True, cflags: tuple[str, ...] = ()) -> bool:
-    """Build (or find built) and load the extension `name`: whether it loaded."""
+_LOADED: dict[str, bool] = {}
+
+
+def _compile_and_load(kernel: Kernel) -> bool:
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
-        flags = ["-O3", *cflags]
-        text = (PRELUDE if prelude else "") + source
-        # the source's hash in the build's name: checkouts with different sources (two branches, two
-        # versions) keep a build each instead of rebuilding one another's (~16 s each time)
-        digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:10]
-        load_inline(f"{name}_{digest}", cpp_sources=[text], extra_cflags=flags, is_python_module=False)
+        # torch's load_inline would start the source with <torch/extension.h> (pybind11, the C++
+        # API), 14 of a module's 17 s of compiling; a file of our own includes only what it uses
+        directory = kernel.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        source = directory / "main.cpp"
+        if not source.exists() or source.read_text() != kernel.text:
+            staged = directory / f"main.cpp.{os.getpid()}"
+            staged.write_text(kernel.text)
+            os.replace(staged, source)  # whole: another process may be compiling it
+        load(kernel.build_name, [str(source)], extra_cflags=kernel.flags, build_directory=str(directory),
+             is_python_module=False)
         return True
     except Exception:  # noqa: BLE001 - not here, whatever the reason: the callers keep torch's ops
         return False
+
+
+def built(kernel: Kernel, register_shapes: Callable[[], None], check: Callable[[], bool]) -> bool:
+    """Whether `kernel` builds here, its ops' shapes registered for torch.compile, and passes `check`
+    on a small case; only where the CPU has the instructions its code uses. Built and checked once
+    per process: any failure (no compiler, no headers, an ISA the build rejects, a wrong result)
+    means False."""
+    if kernel.name not in _BUILT:
+        _BUILT[kernel.name] = kernel.fits() and kernel.load() and _checked(
+            register_shapes, check, kernel.pool_ops)
+    return _BUILT[kernel.name]
 
 
 def _checked(register_shapes: Callable[[], None], check: Callable[[], bool], pool_ops: str) -> bool:

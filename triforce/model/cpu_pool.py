@@ -24,9 +24,12 @@ from contextlib import contextmanager
 
 import torch
 
+from . import cpu_kernels
+
 POOL_SOURCE = r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -242,6 +245,8 @@ TORCH_LIBRARY(triforce_pool, m) {
 }
 """
 
+KERNEL = cpu_kernels.Kernel("triforce_cpu_pool", POOL_SOURCE, isa=frozenset(), prelude=False)
+
 _ADDRESS: list[int] = []
 
 
@@ -294,8 +299,6 @@ def address() -> int:
 
 
 def _build() -> int:
-    from . import cpu_kernels
-
-    if os.name != "posix" or not cpu_kernels.load("triforce_cpu_pool", POOL_SOURCE, prelude=False):
+    if os.name != "posix" or not KERNEL.load():
         return 0
     return int(torch.ops.triforce_pool.address())

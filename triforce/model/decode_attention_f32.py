@@ -558,13 +558,14 @@ TORCH_LIBRARY_IMPL(triforce_decode_f32, CPU, m) {
 }
 """
 
+KERNEL = cpu_kernels.Kernel("triforce_decode_attention_f32", SOURCE, isa=cpu_kernels.AVX2, pool_ops="triforce_decode_f32")
+
 
 @torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here (avx2, fma, f16c and a C++ compiler) and compute bmm's
     products on a small case; any failure means attention keeps torch's GEMMs. Asked once per process."""
-    return cpu_kernels.built("triforce_decode_attention_f32", SOURCE, _register_shapes, _self_check,
-                             isa=cpu_kernels.AVX2, pool_ops="triforce_decode_f32")
+    return cpu_kernels.built(KERNEL, _register_shapes, _self_check)
 
 
 def _self_check() -> bool:

@@ -114,10 +114,12 @@ TORCH_LIBRARY_IMPL(triforce_layer, CPU, m) {
 """
 
 
+KERNEL = cpu_kernels.Kernel("triforce_layer_ops", SOURCE, isa=frozenset(), cflags=("-ffp-contract=off",))
+
+
 def available() -> bool:
     """Whether the ops build here and agree with torch's on a small case. Asked once per process."""
-    return cpu_kernels.built("triforce_layer_ops", SOURCE, _register_shapes, _self_check, isa=frozenset(),
-                             cflags=("-ffp-contract=off",))
+    return cpu_kernels.built(KERNEL, _register_shapes, _self_check)
 
 
 def _self_check() -> bool:

@@ -249,12 +249,14 @@ TORCH_LIBRARY_IMPL(triforce_stored, CPU, m) {
 }
 """
 
+KERNEL = cpu_kernels.Kernel("triforce_stored_bf16", SOURCE, pool_ops="triforce_stored")
+
 
 @torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here and compute the dequantized product on a small case (any
     failure keeps torch's int4 kernel). Asked once per process."""
-    return cpu_kernels.built("triforce_stored_bf16", SOURCE, _register_shapes, _self_check, pool_ops="triforce_stored")
+    return cpu_kernels.built(KERNEL, _register_shapes, _self_check)
 
 
 def _self_check() -> bool:

@@ -70,8 +70,9 @@ class Session:
     def __init__(self, run: Settings, text: str | None, tokenizer=None, say: Callable[[str], None] | None = None,
                  loading: Callable[[str], ContextManager] | None = None):
         """`say(note)`: where one-line notes go (a setting adjusted to the prompt, RoPE scaling added;
-        default: the `triforce` logger, as warnings); `loading(what)`: a context manager shown while
-        weights load (the command line's spinner)."""
+        default: the `triforce` logger, as warnings); `loading(what)`: a context manager entered while
+        the CPU kernels build and the weights load (the command line's spinner), whose value, when
+        not None, is called with a line of progress (the kernels' compiling on a first run)."""
         self.say = say or _log_note
         self._loading = loading
         check_flags(run)
@@ -108,7 +109,9 @@ class Session:
         cheaper weights)."""
         run = self.run
         what = f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")
-        with self._loading(what) if self._loading else nullcontext():
+        with self._loading(what) if self._loading else nullcontext() as update:
+            if self._build_kernels(update) and update is not None:  # the spinner says what comes next
+                update(what)
             self.loaded = load(run.model, self.draft, self.dtype, self.device, target_config=self.config,
                                max_len=self.needed, rank=self.dist.rank if self.dist else 0,
                                world_size=self.dist.world_size if self.dist else 1, tokenizer=self.tokenizer,
@@ -128,6 +131,20 @@ class Session:
                 use_kv_dtype(model, self.kv_dtype)
         self.weights = weights_summary(models.target)
         return self
+
+    def _build_kernels(self, report: Callable[[str], None] | None) -> int:
+        """On CPU, compile the kernels this run will use that this machine has not built, with
+        progress, before the weights load (model/kernel_builds.py). Returns how many compiled."""
+        if torch.device(self.device).type != "cpu":
+            return 0
+        from triforce.model.gguf_loader import gguf_origin
+        from triforce.model.kernel_builds import build
+
+        model = Path(self.run.model)
+        stored = self.run.weights != "dequantized" and (model.is_file() or gguf_origin(model) is not None)
+        if report is None:  # the Python API: the end of a first run's compiling goes to the logger
+            report = lambda line: log.info(line) if line.startswith("compiled ") else None  # noqa: E731
+        return build(self.dtype, stored, report)
 
     def encode(self, text: str | list[int]) -> list[int]:
         """Token ids of a prompt (text is encoded without special tokens, as a continuation), its last
