@@ -156,3 +156,23 @@ def test_a_session_compiles_before_loading_and_says_so(monkeypatch, tiny_folder)
     lines = [s for s in said if isinstance(s, str)]
     assert lines[0].startswith("compiling the CPU kernels") and lines[-2].startswith("compiled the CPU kernels")
     assert lines[-1].startswith("loading ") and said[-1] == ("exit",)
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_run(tmp_path):
+    """torch's build lock is a file that outlives a killed process; the next build must not wait on
+    it forever. A child process builds a tiny module over a stale lock, within a time limit."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from triforce.model import cpu_kernels\n"
+        "k = cpu_kernels.Kernel('triforce_stale_lock_probe', '#include <torch/library.h>\\n"
+        "TORCH_LIBRARY(triforce_stale_lock_probe, m) { m.def(\"f(Tensor x) -> Tensor\"); }\\n', "
+        "isa=frozenset(), prelude=False)\n"
+        "k.directory.mkdir(parents=True)\n"
+        "(k.directory / 'lock').touch()  # as a killed build leaves it\n"
+        "print('built', k.load(), k.compiled(), not (k.directory / 'lock').exists())\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "built True True True", done.stderr[-2000:]

@@ -40,6 +40,28 @@ def test_rms_norm_is_float64_within_float32_rounding_and_rows_alone_give_their_b
         assert torch.equal(layer_ops.rms_norm(x[r:r + 1], w, 1e-5)[0], got[r])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_rms_norm_rounds_as_transformers_but_for_the_statistics_sum_order(dtype):
+    """The normalized value rounded to the dtype, then the weight's product rounded (transformers'
+    Llama); against torch's float32 statistics, a unit of the last place on about 1 element in 10^5
+    where the two sums' orders round the variance differently; rows alone give their bits."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 576, generator=g) * torch.logspace(-2, 2, 64)[:, None]).to(dtype)
+    w = (1 + 0.3 * torch.randn(576, generator=g)).to(dtype)
+    got = layer_ops.rms_norm(x, w, 1e-5)
+    torch_ops = w * torch.nn.functional.rms_norm(x.float(), (576,), eps=1e-5).to(dtype)
+    ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    assert got.dtype == dtype and ((got.float() - torch_ops.float()).abs() <= ulp * torch_ops.float().abs()).all()
+    assert (got != torch_ops).sum() <= 64 * 576 * 1e-3
+    # against float64 statistics, with the reference's two roundings: equal where the roundings agree
+    x64 = x.double()
+    normalized = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    exact = (normalized.double() * w.double()).to(dtype)
+    assert (got != exact).sum() <= (torch_ops != exact).sum()  # no further from float64 than torch's ops
+    for r in (0, 17, 63):
+        assert torch.equal(layer_ops.rms_norm(x[r:r + 1], w, 1e-5)[0], got[r])
+
+
 def test_the_ops_serve_eager_cpu_only(monkeypatch):
     x = torch.zeros(2, 8)
     assert layer_ops.serves(x) and layer_ops.serves(x.bfloat16())

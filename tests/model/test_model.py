@@ -82,9 +82,11 @@ def test_identical_tokenizer_files_need_no_second_load(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_rounds_as_the_reference(dtype):
-    """float32 takes one call of ours eager on CPU (layer_ops.rms_norm), else the weight inside torch's
-    rms_norm (one call fewer a norm): the same bits as the reference's separate product. A 16-bit model rounds the normalized value to its dtype before the
-    weight's product, as transformers' Llama does."""
+    """Eager on CPU one call of ours (layer_ops.rms_norm, the mean summed in float64); elsewhere
+    float32 puts the weight inside torch's rms_norm (one call fewer a norm): the same bits as the
+    reference's separate product. A 16-bit model rounds the normalized value to its dtype before the
+    weight's product, as transformers' Llama does: torch's ops give the reference's bits, ours the
+    same but where the order of the float32 statistics' sum moves a rounding by one unit."""
     from triforce.model import layer_ops
     from triforce.model.transformer import RMSNorm
 
@@ -99,11 +101,14 @@ def test_rms_norm_rounds_as_the_reference(dtype):
     with torch.no_grad():
         got = norm(x)
     assert got.dtype == dtype
-    if dtype == torch.float32:
-        if layer_ops.available():  # eager on CPU: one call, the mean summed in float64
-            assert torch.equal(got, layer_ops.rms_norm(x, norm.weight, 1e-5))
-        else:
-            assert torch.equal(got, norm.weight * torch.nn.functional.rms_norm(x, (576,), eps=1e-5))
-        torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-6)
+    if layer_ops.available():  # eager on CPU: one call, the mean summed in float64
+        assert torch.equal(got, layer_ops.rms_norm(x, norm.weight, 1e-5))
+    elif dtype == torch.float32:
+        assert torch.equal(got, norm.weight * torch.nn.functional.rms_norm(x, (576,), eps=1e-5))
     else:
         assert torch.equal(got, reference)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-6)
+    else:  # one unit of bfloat16's last place at most, and on few elements (1 in 10^5 measured)
+        assert ((got.float() - reference.float()).abs() <= 2 ** -7 * reference.float().abs()).all()
+        assert (got != reference).sum() <= 2

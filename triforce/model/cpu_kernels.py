@@ -255,19 +255,25 @@ _LOADED: dict[str, bool] = {}
 
 def _compile_and_load(kernel: Kernel) -> bool:
     try:
+        import fcntl
+
         from torch.utils.cpp_extension import load
 
         # torch's load_inline would start the source with <torch/extension.h> (pybind11, the C++
         # API), 14 of a module's 17 s of compiling; a file of our own includes only what it uses
         directory = kernel.directory
         directory.mkdir(parents=True, exist_ok=True)
-        source = directory / "main.cpp"
-        if not source.exists() or source.read_text() != kernel.text:
-            staged = directory / f"main.cpp.{os.getpid()}"
-            staged.write_text(kernel.text)
-            os.replace(staged, source)  # whole: another process may be compiling it
-        load(kernel.build_name, [str(source)], extra_cflags=kernel.flags, build_directory=str(directory),
-             is_python_module=False)
+        with open(directory / "build.flock", "w") as guard:
+            # one process builds a module at a time; the kernel's lock goes with the process that
+            # held it, however it ended. torch's own lock file does not: a build killed midway (the
+            # machine shut down, the OOM killer) left it, and every later run waited on it forever
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)  # held by no live build of ours: stale
+            source = directory / "main.cpp"
+            if not source.exists() or source.read_text() != kernel.text:
+                source.write_text(kernel.text)
+            load(kernel.build_name, [str(source)], extra_cflags=kernel.flags, build_directory=str(directory),
+                 is_python_module=False)
         return True
     except Exception:  # noqa: BLE001 - not here, whatever the reason: the callers keep torch's ops
         return False

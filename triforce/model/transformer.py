@@ -25,9 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if layer_ops.serves(x) and self.weight.dtype == x.dtype:  # eager on CPU: one call where torch's is 6-9 kernels
+            return layer_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
-            if layer_ops.serves(x):  # eager on CPU: one call where torch's rms_norm is 6 kernels
-                return layer_ops.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the weight inside: one call fewer
         # float32 statistics, as the reference implementations do, then back to the model dtype and
         # times the weight in it (a 16-bit model rounds twice, as they do)
@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def rows_step(self, like: torch.Tensor):
         """forward for eager passes of rows like `like`, the one-call norm chosen now (model/eager_steps.py)."""
-        if like.dtype == torch.float32 and layer_ops.serves(like):
+        if layer_ops.serves(like) and self.weight.dtype == like.dtype:
             weight, eps = self.weight, self.eps
             return lambda x: layer_ops.rms_norm(x, weight, eps)
         return self.forward
