@@ -19,6 +19,18 @@ from contextlib import contextmanager
 import torch
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+_HOST_ONLY = threading.local()
+
+
+@contextmanager
+def on_the_host():
+    """Around a read that only a CPU path makes (sampling.nucleus's search): on a GPU that path
+    never runs, so the counter leaves it out."""
+    _HOST_ONLY.depth = getattr(_HOST_ONLY, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST_ONLY.depth -= 1
 
 
 class HostSyncCounter:
@@ -48,7 +60,8 @@ class HostSyncCounter:
         counter = self
 
         def counted(*args, **kwargs):
-            if getattr(counter._inside, "depth", 0) or not counter.counting or not applies(*args, **kwargs):
+            if (getattr(counter._inside, "depth", 0) or getattr(_HOST_ONLY, "depth", 0) or not counter.counting
+                    or not applies(*args, **kwargs)):
                 return original(*args, **kwargs)
             counter._inside.depth = 1
             try:
