@@ -85,10 +85,18 @@ def test_a_module_that_fails_to_build_does_not_stop_the_others():
 
     ok = Gate("ok")
     ok.opened.set()
+    class Refused:  # Kernel.load's way: no compiler, no headers
+        name = "triforce_refused"
+
+        def load(self):
+            return False
+
     lines = []
-    # left to its first use, which falls back to torch's ops; the run goes on
-    assert compile_all([Broken(), ok], lines.append, workers=1) == 2
-    assert ok.loaded and lines[-1].startswith("compiled the CPU kernels")
+    # the run goes on: their callers keep torch's ops, and the last line says which did not build
+    assert compile_all([Broken(), ok, Refused()], lines.append, workers=1) == 3
+    assert ok.loaded
+    assert lines[-1].startswith("compiled 1 of 3 CPU kernels in ")
+    assert "triforce_refused" in lines[-1] and "C++ compiler" in lines[-1] and "torch's ops" in lines[-1]
 
 
 def test_the_modules_a_run_needs_follow_dtype_and_weights():

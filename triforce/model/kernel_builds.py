@@ -43,19 +43,24 @@ def build(dtype: torch.dtype, stored: bool = True, report: Callable[[str], None]
 def compile_all(todo: list, report: Callable[[str], None] | None = None, workers: int | None = None) -> int:
     """Load each of `todo` (objects with a `load()`, a Kernel's build-or-find), `workers` at a time
     (default: the cores this process may use); `report` gets a line of progress when the work
-    starts, at least every REPORT_SECONDS after, and one starting "compiled " at the end. A module
-    that fails to build is left to its first use, which falls back to torch's ops."""
+    starts, at least every REPORT_SECONDS after, and one starting "compiled " at the end, naming any
+    module that did not build (it stays unbuilt for the process: its callers keep torch's ops)."""
     if not todo:
         return 0
     workers = max(1, min(workers or len(os.sched_getaffinity(0)), len(todo)))
     clock = BuildClock(len(todo), workers)
+    failed: list[str] = []
 
     def compile_one(kernel) -> None:
         began = clock.started()
         try:
-            kernel.load()
+            built = kernel.load()
+        except Exception:  # noqa: BLE001 - Kernel.load says False; anything else is the same to the run
+            built = False
         finally:
             clock.finished(began)
+        if not built:
+            failed.append(getattr(kernel, "name", str(kernel)))
 
     with ThreadPoolExecutor(workers) as pool:  # the compiler runs as a child process: threads suffice
         pending = {pool.submit(compile_one, k) for k in todo}
@@ -64,8 +69,15 @@ def compile_all(todo: list, report: Callable[[str], None] | None = None, workers
                 report(clock.line())
             _, pending = wait(pending, timeout=REPORT_SECONDS, return_when=FIRST_COMPLETED)
     if report is not None:
-        report(f"compiled the CPU kernels in {clock.elapsed():.0f} s (once per machine)")
+        report(done_line(len(todo), sorted(failed), clock.elapsed()))
     return len(todo)
+
+
+def done_line(total: int, failed: list[str], seconds: float) -> str:
+    if not failed:
+        return f"compiled the CPU kernels in {seconds:.0f} s (once per machine)"
+    return (f"compiled {total - len(failed)} of {total} CPU kernels in {seconds:.0f} s; {', '.join(failed)} did not "
+            "build here (they need a C++ compiler, g++, and Python's headers): torch's ops run in their place, slower")
 
 
 class BuildClock:
