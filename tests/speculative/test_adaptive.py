@@ -367,3 +367,33 @@ def test_generate_reports_the_passes_per_mode(tiny_folder):
     assert "adaptive over triforce's levels" in table.stdout and "full-cache passes per mode" in table.stdout
     assert "vs plain decoding" in table.stdout
     assert "predicted ms per token" in table.stdout and set(a["modes"]) <= set(a["estimates"])
+
+
+def test_a_drafter_that_sat_out_feeds_only_its_last_tokens_but_a_new_turn_whole(pair, monkeypatch):
+    """After passes of another mode the drafter catches up on engine.DRAFT_CATCH_UP tokens, skipping
+    older ones as its prefill skips all but its window (the output stays the target's); a chat turn
+    added by extend() is fed whole: its text is what the drafter most needs."""
+    from triforce.speculative import engine
+    from triforce.speculative.adaptive import Plan
+
+    target, drafter = pair
+    ids = torch.randint(0, 48, (130,), generator=torch.Generator().manual_seed(4)).tolist()
+    cfg = GenerationConfig(max_new_tokens=60, budget=48, chunk_size=8, gamma1=3, gamma2=5,
+                           draft_window=16, sink_tokens=4, adaptive=True)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    # 20 passes of plain decoding (the drafter sits out), then speculation only
+    monkeypatch.setattr(Chooser, "_choose", lambda self: Plan("autoregressive", 0) if self.passes < 20
+                        else Plan("speculative", 5))
+    gen = Generator(Models(target, drafter), cfg, "speculative", max_len=len(ids) + 200)
+    fed = []
+    feed = gen.drafter.feed
+    monkeypatch.setattr(gen.drafter, "feed", lambda tokens, *a, **k: (fed.append(len(tokens)), feed(tokens, *a, **k))[1])
+    gen.prefill(ids)
+    fed.clear()  # the prefill's window
+    assert gen.generate() == reference.tokens
+    assert max(fed) == engine.DRAFT_CATCH_UP  # 20 missed tokens: the last 8 fed
+    turn = torch.randint(0, 48, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    gen.extend(turn)
+    fed.clear()
+    gen.generate(max_new_tokens=10)
+    assert fed[0] >= len(turn)  # the whole turn (and the answer's last token before it)

@@ -105,12 +105,23 @@ class PassClock:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
+# The most tokens a drafter feeds to catch up after passes it sat out (another mode ran): those
+# before them are skipped, as its prefill skips all but the sinks and the window. Each catch-up took
+# a pass of every missed token: 14-64 after an adaptive run's probe, ~25% of a 128-token run at 4K
+# (session 18). A drafter only proposes, so what it skips changes acceptance, never the output.
+DRAFT_CATCH_UP = 8
+
+
 class Level:
     """A model running against one cache, which holds the K/V of the sequence's first `held` positions;
-    the first `agreed` of them still hold the sequence's current tokens."""
+    the first `agreed` of them still hold the sequence's current tokens. `catch_up`: the most tokens
+    a run feeds to come back in line, skipping older ones (a StreamingLLM drafter's cache); None: all."""
 
-    def __init__(self, name: str, model: Transformer, cache, stats: Stats, clock: PassClock):
+    def __init__(self, name: str, model: Transformer, cache, stats: Stats, clock: PassClock,
+                 catch_up: int | None = None):
         self.name, self.model, self.cache, self.stats, self.clock = name, model, cache, stats, clock
+        self.catch_up = catch_up
+        self.skip_from = 0  # never skip tokens before this position (the prompts' ends: their text matters)
         self.held = self.agreed = 0
         self.meter: Chooser | None = None  # an adaptive generator's chooser, which times decode passes
         self.timings: list[tuple] = []  # decode passes not yet reported: (name, tokens, start, end, typical)
@@ -128,6 +139,10 @@ class Level:
         """Logits (n_out, V) predicting the tokens after each of positions [end - n_out, end)."""
         keep = min(self.agreed, end - n_out)
         self.rollback(keep)
+        if self.catch_up is not None and keep >= self.skip_from and end - keep > max(self.catch_up, n_out):
+            keep = end - max(self.catch_up, n_out)
+            self.cache.skipped_to(keep)  # the cache now stands for the tokens before these, not 1:1
+            self.held = self.agreed = keep
         logits = self.feed(seq.ids[keep:end], n_out, progress)
         self.held = self.agreed = end
         return logits
@@ -303,7 +318,7 @@ class Generator:
         if drafter is not None:
             cache = StreamingCache(drafter.kv_shape(), drafter.rotary, sizes.sinks, sizes.window,
                                    slack=sizes.streaming_slack)
-            self.drafter = Level("draft", drafter, cache, self.stats, self.clock)
+            self.drafter = Level("draft", drafter, cache, self.stats, self.clock, catch_up=DRAFT_CATCH_UP)
         self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter) if lv is not None]
         self.chooser, self.agree = None, agree
         self.device_rounds = cfg.rounds_on_device(self.device)
@@ -414,8 +429,10 @@ class Generator:
             self.committed = len(self.context)
             if self.middle is not None:
                 self._rebuild(query_index=-1)  # score chunks with the newest token's query
-            if self.drafter is not None and first_prompt:
-                self._prefill_drafter(len(self.context) - 1)
+            if self.drafter is not None:
+                self.drafter.skip_from = len(self.context) - 1  # a later turn's text is fed whole
+                if first_prompt:
+                    self._prefill_drafter(len(self.context) - 1)
         finally:
             synchronize(self.device)
             self.stats.phase = "decode"
