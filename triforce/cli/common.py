@@ -31,7 +31,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "AMX), else float32")
     g.add_argument("--device", default=DEFAULTS.device, help="cpu, cuda or auto (default)")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: the cores the last minute's load leaves free, at least 1)")
+                   help="CPU threads for torch (default: the cores other work leaves free as the run starts, at least 1)")
     g.add_argument("--rope-scaling", default=DEFAULTS.rope_scaling,
                    help="auto (YaRN when the context exceeds trained positions), none, yarn:F or linear:F")
     g.add_argument("--context", type=int, default=None, help="keep the last N tokens of the prompt")

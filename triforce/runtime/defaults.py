@@ -6,7 +6,10 @@ while they wait fight the other jobs for the cores: SmolLM2 decode, 1,024-token 
 threads beside two busy processes measured 11.8 vs 0.49 tokens/s in float32 (16.8 vs 3.0 in
 bfloat16). With waiting threads that sleep instead (OMP_WAIT_POLICY=PASSIVE, set by the command-line entry points
 before torch loads its OpenMP runtime: triforce.cli.entry) the collapse is gone (2 threads 5.6 vs 1 thread 4.5 tokens/s under a
-load of 3-5), so "auto" uses the cores the last minute's load average leaves free, at least one.
+load of 3-5), so "auto" uses the cores the machine's other work leaves free, at least one: measured
+over a quarter of a second as the run starts (/proc/stat), not by the last minute's load average,
+which still counts a run that just ended (after `triforce prepare`, or a second `triforce generate`,
+it read 0.6-0.8 on 2 idle cores and took 1 thread: 67 tokens/s at 4K against 88 on 2).
 
 Dtype. bfloat16 where the CPU computes it natively (avx512_bf16 or AMX): at 1 thread it decoded
 16.8 tokens/s against 11.8 in float32 and prefilled 413 against 198 tokens/s; float32 elsewhere,
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # triforce/
@@ -34,15 +38,46 @@ DEFAULT_MODEL = MODELS_DIR / "smollm2-135m"
 DEFAULT_PROMPT_FILE = PACKAGE / "data" / "pride_and_prejudice_ch1-9.txt"
 
 
-def auto_threads() -> tuple[int, str]:
-    """(threads, why) for --threads auto: the cores not busy over the last minute, at least one."""
+BUSY_SAMPLE_SECONDS = 0.25  # long enough to average out a shell's blip, short beside loading a model
+
+
+def auto_threads(sample_seconds: float = BUSY_SAMPLE_SECONDS) -> tuple[int, str]:
+    """(threads, why) for --threads auto: the cores not busy now, at least one."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = busy_cores(sample_seconds)
+    if busy is None:  # no /proc/stat: the last minute's load, else assume the machine is ours
+        try:
+            busy = os.getloadavg()[0]
+        except OSError:
+            busy = 0.0
+        threads = max(1, min(cores, round(cores - busy)))
+        return threads, f"auto: {cores} cores, load {busy:.1f}"
+    threads = max(1, min(cores, round(cores - busy)))
+    return threads, f"auto: {cores} cores, {busy:.1f} busy"
+
+
+def busy_cores(seconds: float) -> float | None:
+    """How many of the machine's cores other work kept busy over the next `seconds` (this process
+    sleeps meanwhile): the non-idle share of /proc/stat's CPU time times the cores; None without it."""
+    first = cpu_times()
+    if first is None:
+        return None
+    time.sleep(seconds)
+    second = cpu_times()
+    if second is None or second[0] <= first[0]:
+        return None
+    total, idle = second[0] - first[0], second[1] - first[1]
+    return (os.cpu_count() or 1) * max(total - idle, 0) / total
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(all, idle) clock ticks of every CPU since boot, from /proc/stat's first line (idle counts
+    iowait; steal, what a hypervisor gave other machines, counts as busy)."""
     try:
-        load = os.getloadavg()[0]
-    except OSError:  # not on this platform: assume the machine is ours
-        load = 0.0
-    threads = max(1, min(cores, round(cores - load)))
-    return threads, f"auto: {cores} cores, load {load:.1f}"
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields), fields[3] + fields[4]
 
 
 def cpu_has_bf16() -> bool:

@@ -278,7 +278,7 @@ class Session:
 
 def _set_threads(threads: int | None) -> str:
     """Set torch's CPU threads: as asked, else as OMP_NUM_THREADS says (a launcher sharing the cores
-    between ranks), else the cores the machine's load leaves free (triforce/runtime/defaults.py). Returns why."""
+    between ranks), else the cores other work leaves free now (triforce/runtime/defaults.py). Returns why."""
     if threads is not None:
         torch.set_num_threads(threads)
         return "--threads"

@@ -31,7 +31,7 @@ class Settings:
     draft: str | None = None  # a drafter folder, "self" (the target with a StreamingLLM cache), None: natural
     dtype: str = "auto"  # auto: bfloat16 on a GPU and on a CPU computing it natively, else float32
     device: str = "auto"
-    threads: int | None = None  # None: the cores the last minute's load leaves free
+    threads: int | None = None  # None: the cores other work leaves free as the run starts
     rope_scaling: str = "auto"
     context: int | None = None  # keep the last N prompt tokens
     offload: str = "none"  # "host": the full KV cache in (pinned) host memory, streamed per pass

@@ -1,0 +1,41 @@
+"""--threads auto: the cores other work keeps busy now, not the last minute's load average (which
+still counts a run that just ended)."""
+import os
+
+from triforce.runtime import defaults
+
+
+def scripted(monkeypatch, times, load=0.8, cores=2):
+    ticks = iter(times)
+    monkeypatch.setattr(defaults, "cpu_times", lambda: next(ticks))
+    monkeypatch.setattr(defaults.time, "sleep", lambda s: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+
+
+def test_an_idle_machine_after_a_run_gets_every_core(monkeypatch):
+    scripted(monkeypatch, [(1000, 400), (1050, 450)], load=0.8)  # idle now; the load average remembers
+    assert defaults.auto_threads() == (2, "auto: 2 cores, 0.0 busy")
+
+
+def test_a_core_busy_now_is_left_to_its_work(monkeypatch):
+    scripted(monkeypatch, [(1000, 400), (1050, 425)], load=0.1)  # half the ticks busy: 1 of 2 cores
+    assert defaults.auto_threads() == (1, "auto: 2 cores, 1.0 busy")
+
+
+def test_a_busy_machine_still_gets_one_thread(monkeypatch):
+    scripted(monkeypatch, [(1000, 400), (1100, 400)], cores=4)
+    assert defaults.auto_threads()[0] == 1
+
+
+def test_without_proc_stat_the_load_average_decides(monkeypatch):
+    scripted(monkeypatch, [None], load=1.2, cores=4)
+    assert defaults.auto_threads() == (3, "auto: 4 cores, load 1.2")
+
+
+def test_cpu_times_reads_this_machine():
+    times = defaults.cpu_times()
+    if times is not None:  # Linux
+        total, idle = times
+        assert total >= idle >= 0
