@@ -158,3 +158,26 @@ def test_an_eager_float32_decode_step_runs_a_layer_in_a_few_calls():
     first = ops.names.index("triforce_layer.rms_norm")
     last = len(ops.names) - ops.names[::-1].index("aten.slice") - 1  # last_only: the final row's slice
     assert (last - first) / 3 <= 16  # 4 products, 3 calls of ours, 2 adds, the MLP's split, silu and mul...
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_s_rows_split_over_threads_give_one_thread_s_bits(dtype):
+    """Hundreds of rows (a prefill piece) go to the pool in ranges; each row is still one task's, so
+    the bits do not depend on the threads, and equal the row's alone."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    qkv = torch.randn(300, 5 * 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(300, 64, generator=g).to(dtype) for _ in range(2))
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out[n] = (layer_ops.rms_norm(x, w, 1e-5), *layer_ops.rotary_qk(qkv, cos, sin, 3, 1))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(out[1], out[2]))
+    assert torch.equal(layer_ops.rms_norm(x[137:138], w, 1e-5)[0], out[2][0][137])
+    want = apply_rotary(qkv[:, :4 * 64].view(300, 4, 64), cos, sin)
+    assert torch.equal(out[2][1], want[:, :3]) and torch.equal(out[2][2], want[:, 3:])

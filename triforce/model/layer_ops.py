@@ -34,6 +34,8 @@ SOURCE = r"""
 
 namespace {
 
+constexpr int64_t ROWS_PER_TASK = 64;  // rows (tokens) a task of the pool takes at least
+
 template <typename T> inline float wide(T x) { return float(x); }
 template <typename T> inline T narrow(float x) { return T(x); }  // c10's Half/BFloat16: to nearest even
 
@@ -69,8 +71,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
   auto run = [&](auto zero) {
     using S = decltype(zero);
     const S *x = qkv.const_data_ptr<S>(), *c = cos.const_data_ptr<S>(), *s = sin.const_data_ptr<S>();
-    rotate(x, qkv.stride(0), c, s, T, heads, D, 0, q.data_ptr<S>());
-    rotate(x, qkv.stride(0), c, s, T, kv_heads, D, heads, k.data_ptr<S>());
+    S *qo = q.data_ptr<S>(), *ko = k.data_ptr<S>();
+    int64_t stride = qkv.stride(0);
+    over_ranges(T, ROWS_PER_TASK, [&](int64_t t0, int64_t t1) {  // a prefill's tokens over the pool
+      rotate(x + t0 * stride, stride, c + t0 * D, s + t0 * D, t1 - t0, heads, D, 0, qo + t0 * heads * D);
+      rotate(x + t0 * stride, stride, c + t0 * D, s + t0 * D, t1 - t0, kv_heads, D, heads, ko + t0 * kv_heads * D);
+    });
   };
   switch (qkv.scalar_type()) {
     case at::kFloat: run(float(0)); break;
@@ -82,20 +88,40 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * weight by rows of D, the mean summed in float64 (one order per
-// row, whatever the rows). A 16-bit S rounds the normalized value to S before the weight's product, as
-// transformers' Llama does (float32 statistics, then back to the model's dtype, then times the weight).
+// row, whatever the rows: LANES partial sums, lane j taking dims j, j + LANES, ..., then added
+// pairwise, which the compiler turns into vector code). A 16-bit S rounds the normalized value to S
+// before the weight's product, as transformers' Llama does (float32 statistics, then back to the
+// model's dtype, then times the weight). Rows split over the pool's threads in ranges of at least
+// ROWS_PER_TASK: a prefill's thousands (a decode or verification pass runs on the caller alone).
+constexpr int LANES = 8;
+
+template <typename S>
+inline float inverse_rms(const S* row, int64_t D, float eps) {
+  double part[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES)
+    for (int j = 0; j < LANES; ++j) {
+      double x = wide(row[d + j]);
+      part[j] += x * x;
+    }
+  for (int j = 0; d < D; ++d, ++j) {
+    double x = wide(row[d]);
+    part[j] += x * x;
+  }
+  double squares = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  return 1.0f / std::sqrt(float(squares / double(D)) + eps);
+}
+
 template <typename S>
 void normalize(const S* in, const S* w, int64_t rows, int64_t D, float eps, S* o) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const S* row = in + r * D;
-    double squares = 0;
-    for (int64_t d = 0; d < D; ++d) squares += double(wide(row[d])) * double(wide(row[d]));
-    float inverse = 1.0f / std::sqrt(float(squares / double(D)) + eps);
-    for (int64_t d = 0; d < D; ++d) {
-      S normalized = narrow<S>(wide(row[d]) * inverse);
-      o[r * D + d] = narrow<S>(wide(normalized) * wide(w[d]));
+  over_ranges(rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const S* row = in + r * D;
+      S* out = o + r * D;
+      float inverse = inverse_rms(row, D, eps);
+      for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(wide(narrow<S>(wide(row[d]) * inverse)) * wide(w[d]));
     }
-  }
+  });
 }
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
@@ -122,6 +148,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 }  // namespace
 
 TORCH_LIBRARY(triforce_layer, m) {
+  m.def("use_pool(int address) -> ()", &use_pool);
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
@@ -132,7 +159,8 @@ TORCH_LIBRARY_IMPL(triforce_layer, CPU, m) {
 }
 """
 
-KERNEL = cpu_kernels.Kernel("triforce_layer_ops", SOURCE, isa=frozenset(), cflags=("-ffp-contract=off",))
+KERNEL = cpu_kernels.Kernel("triforce_layer_ops", SOURCE, isa=frozenset(), cflags=("-ffp-contract=off",),
+                            pool_ops="triforce_layer")
 
 
 def available() -> bool:
