@@ -9,7 +9,10 @@ host-to-device link floor (bench.linkbench / bench.measure); float32 greedy equa
 host memory (bench.bench fails on a mismatch); CUDA-graph tokens equal to eager ones (tests/gpu).
 Each step runs the existing tool as its own process, so one failing step leaves the others' figures;
 the JSON holds every step's command, exit status, seconds and results.
-Without CUDA it prints one line and exits 2.
+Without CUDA it prints one line and exits 2. `--rehearse` runs the same plan on this machine's CPU at
+512 and 1,024 tokens (8 new tokens, the link step on random weights of 2 layers): it proves every
+step's command runs before device time is spent on it (its figures mean nothing). Getting the model
+onto a lent GPU machine: docs/gpu-session.md.
 """
 from __future__ import annotations
 
@@ -25,19 +28,25 @@ OURS = "autoregressive,speculative,retrieval,triforce,triforce-host"  # triforce
 MODEL = "models/smollm2-135m"
 
 
-def steps(model: str, new_tokens: int) -> list[tuple[str, list[str]]]:
-    """(name, argv after `python -m`) of every measurement, cheapest first."""
+CONTEXTS, REHEARSAL_CONTEXTS = "4096,32768", "512,1024"
+
+
+def steps(model: str, new_tokens: int, rehearse: bool = False) -> list[tuple[str, list[str]]]:
+    """(name, argv after `python -m`) of every measurement, cheapest first; rehearsed, the same plan
+    at sizes a CPU runs in seconds."""
+    contexts = REHEARSAL_CONTEXTS if rehearse else CONTEXTS
     bench = ["bench.bench", "--model", model, "--new-tokens", str(new_tokens), "--repeats", "1", "--draft", "self"]
-    out = [("link floor", ["bench.linkbench", "--context", "32768", "--tokens", "1", "7", "--layers", "30"])]
+    link = ["--context", "1024", "--layers", "2", "--device", "cpu"] if rehearse else ["--context", "32768", "--layers", "30"]
+    out = [("link floor", ["bench.linkbench", "--tokens", "1", "7", *link])]
     for offload in ("none", "host"):
         peers = "hf-static" if offload == "none" else "hf-offloaded"
         for sampled in (False, True):
             name = f"kv {'gpu' if offload == 'none' else 'host'} {'sampled' if sampled else 'greedy'}"
             systems = OURS + ("" if sampled else f",{peers}")
-            argv = [*bench, "--contexts", "4096,32768", "--offload", offload, "--dtype", "bfloat16", "--systems", systems]
+            argv = [*bench, "--contexts", contexts, "--offload", offload, "--dtype", "bfloat16", "--systems", systems]
             out.append((name, argv + (["--temperature", "0.8"] if sampled else [])))
     out.append(("float32 greedy equality, kv host",
-                [*bench, "--contexts", "4096", "--offload", "host", "--dtype", "float32", "--systems", OURS]))
+                [*bench, "--contexts", contexts.split(",")[0], "--offload", "host", "--dtype", "float32", "--systems", OURS]))
     out.append(("graph == eager tokens", ["pytest", "-q", "tests/gpu"]))
     return out
 
@@ -72,23 +81,27 @@ def json_lines(text: str) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_figures", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=f"results/gpu-{time.strftime('%Y-%m-%d')}.json")
+    p.add_argument("--out", help="the JSON (default results/gpu-<date>.json; rehearsed bench-out/gpu-rehearsal.json)")
     p.add_argument("--model", default=MODEL)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, help="tokens each run decodes (default 64; rehearsed 8)")
+    p.add_argument("--rehearse", action="store_true",
+                   help="run the plan on this CPU at small sizes to prove every step runs (figures mean nothing)")
     p.add_argument("--step-timeout", type=float, default=240.0, help="seconds before a step is abandoned")
     args = p.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.rehearse:
         print("needs a CUDA GPU")
         return 2
+    new_tokens = args.new_tokens or (8 if args.rehearse else 64)
+    out = Path(args.out or ("bench-out/gpu-rehearsal.json" if args.rehearse else f"results/gpu-{time.strftime('%Y-%m-%d')}.json"))
+    device = "cpu (rehearsal: the figures mean nothing)" if args.rehearse else torch.cuda.get_device_name(0)
     began = time.perf_counter()
-    figures = {"device": torch.cuda.get_device_name(0), "model": args.model, "new_tokens": args.new_tokens, "steps": []}
+    figures = {"device": device, "model": args.model, "new_tokens": new_tokens, "steps": []}
     with tempfile.TemporaryDirectory() as scratch:
-        for name, step_argv in steps(args.model, args.new_tokens):
+        for name, step_argv in steps(args.model, new_tokens, args.rehearse):
             figures["steps"].append(run_step(name, step_argv, Path(scratch), args.step_timeout))
     figures["seconds"] = time.perf_counter() - began
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=1))
     failed = [s["name"] for s in figures["steps"] if s["exit"] != 0]

@@ -1,6 +1,8 @@
 """bench.gpu_figures: one line and exit 2 without CUDA; its plan covers every figure issue 22 names."""
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,3 +29,33 @@ def test_the_plan_covers_the_figures():
     assert any(c.startswith("bench.linkbench") for c in commands)
     assert any("float32" in c and "--offload host" in c for c in commands)
     assert plan["graph == eager tokens"] == ["pytest", "-q", "tests/gpu"]
+
+
+def test_a_rehearsal_keeps_the_plan_and_shrinks_it():
+    real, rehearsed = gpu_figures.steps("m", 64), gpu_figures.steps("m", 8, rehearse=True)
+    assert [name for name, _ in real] == [name for name, _ in rehearsed]
+    for (_, a), (_, b) in zip(real, rehearsed):
+        assert a[0] == b[0]
+    commands = [" ".join(argv) for _, argv in rehearsed]
+    assert not any(gpu_figures.CONTEXTS in c for c in commands)
+    assert any("bench.linkbench" in c and "--device cpu" in c for c in commands)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "smollm2-135m"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MODEL.is_dir(), reason="models/smollm2-135m missing: run triforce-prepare")
+def test_the_rehearsal_runs_every_step(tmp_path):
+    """Every step of the GPU plan runs to exit 0 on this CPU at small sizes, so device time is not
+    spent finding a broken command line."""
+    out = tmp_path / "rehearsal.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert [s["name"] for s in figures["steps"]] == [n for n, _ in gpu_figures.steps("m", 8, rehearse=True)]
+    assert all(s["exit"] == 0 for s in figures["steps"])
+    benches = [s for s in figures["steps"] if s["command"][0] == "bench.bench"]
+    assert benches and all(s["result"] for s in benches)
