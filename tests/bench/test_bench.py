@@ -57,8 +57,8 @@ def test_bench_self_draft_with_hf_generate(tmp_path, models):
         assert got["autoregressive"]["tokens_per_full_pass"] == pytest.approx(1.0)
         assert got["hf-generate"]["tokens_per_full_pass"] == pytest.approx(1.0)  # one forward per token
         assert got["triforce"]["acceptance"]["middle->verify"] is not None
-        modes = got["adaptive"]["modes"]  # its first passes try one mode each, from the fullest
-        assert got["triforce"]["modes"] is None and list(modes)[:2] == ["triforce", "autoregressive"]
+        modes = got["adaptive"]["modes"]  # its first passes: plain decoding, then one mode each by levels
+        assert got["triforce"]["modes"] is None and list(modes)[:2] == ["autoregressive", "retrieval"]
         assert sum(modes.values()) == got["adaptive"]["passes"]["verify"]
         scaling = got["hf-generate"]["rope_scaling"]
         assert (scaling is None) == (context == 128)  # each context with the RoPE scaling its length needs

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
-from triforce.speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCosts, Plan, seconds_per_token
+from triforce.speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCosts, Plan, full_pass, seconds_per_token
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
 
@@ -94,6 +94,7 @@ def teach(chooser: Chooser, verify, draft=0.01, middle=0.02, accept=None):
             chooser.acceptance.record(edge, 1, int(i < successes))
     for mode in chooser.modes:
         chooser.last_used[mode] = 0
+    chooser.passes = max(chooser.passes, Chooser.WARM_PASSES)  # plain decoding's warm-up passes are behind it
 
 
 def test_choice_follows_the_costs():
@@ -155,49 +156,120 @@ def test_device_rounds_are_priced_by_the_positions_their_full_pass_verifies():
 
 
 def test_a_mode_that_cannot_win_is_not_tried_first():
-    """After triforce and plain decoding: speculative's best case (every draft accepted) still loses to
-    plain decoding's measured cost, so it waits for a probe; retrieval's might win, so it is tried."""
+    """Plain decoding first, then the modes with one proposer, whose passes time triforce's levels:
+    with a drafter that costs more than a full pass (a CPU, the target drafting for itself), triforce's
+    best case (every proposal accepted) still loses to plain decoding, so it waits for a probe."""
     chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=3)
-    assert chooser.choose() == Plan("triforce", 3)
-    for level, n, s in (("draft", 1, 0.095), ("middle", 3, 0.058), ("verify", 4, 0.082)):
-        chooser.passed(level, n, s)
-    chooser.acceptance.record("draft->middle", 2, 1)
-    chooser.acceptance.record("middle->verify", 3, 3)
-    assert chooser.choose() == Plan("autoregressive", 0)
-    chooser.passed("verify", 1, 0.067)
-    assert chooser.bound(Plan("speculative", 1)) == pytest.approx((0.095 + 0.067) / 2)  # > 0.067
-    assert chooser.choose().mode == "retrieval"  # its best case beats 0.067 (its figures are known: best gamma)
+    for _ in range(Chooser.WARM_PASSES):
+        assert chooser.choose() == Plan("autoregressive", 0)
+        chooser.passed("verify", 1, 0.067)
+    assert chooser.choose() == Plan("retrieval", 3)
     chooser.passed("middle", 1, 0.05)
     chooser.passed("verify", 4, 0.082)
-    chooser.acceptance.record("middle->verify", 3, 0)
-    assert chooser.choose().mode != "speculative"
-    assert chooser.last_used["speculative"] == 3  # skipped after the third pass: a probe comes back to it
+    chooser.acceptance.record("middle->verify", 3, 1)
+    assert chooser.choose() == Plan("speculative", 3)
+    chooser.passed("draft", 1, 0.095)
+    chooser.passed("verify", 4, 0.082)
+    chooser.acceptance.record("draft->verify", 3, 0)
+    # triforce at best: 2 drafts (0.19) and a middle pass per 3 middle tokens, 0.08 s each, then a
+    # verification that keeps half its proposals: above plain decoding's 0.067 at every gamma
+    assert min(chooser.bound(Plan("triforce", g)) for g in (1, 2, 3)) > 0.067
+    assert chooser.choose().mode != "triforce"
+    assert chooser.last_used["triforce"] == Chooser.WARM_PASSES + 2  # skipped then: a probe comes back to it
 
 
-def test_every_mode_is_tried_first_then_probed_ever_less_often():
+def simulate(chooser: Chooser, passes: int) -> list[Plan]:
+    """Run the chooser's plans for `passes` full passes, each round taking what it predicts (its
+    passes' share reported as untypical, so that costs and overheads stay as taught)."""
+    plans = []
+    for _ in range(passes):
+        plan = chooser.choose()
+        overhead = chooser.overhead.get(plan.mode, 0.0)
+        seconds, _ = full_pass(plan.mode, plan.gamma, chooser.gamma1, chooser.costs.estimate, chooser.acceptance.rate,
+                               overhead)
+        chooser.passed("verify", plan.gamma + 1, seconds - overhead, typical=False)
+        chooser.finished(plan.mode, seconds)
+        plans.append(plan)
+    return plans
+
+
+def test_every_mode_is_tried_first_plain_decoding_then_by_levels():
     chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=3)
-    first = [chooser.choose() for _ in range(4)]
-    # nothing measured (no passes ran): every mode is tried, the configured one and plain decoding
-    # first, each at its longest gamma
-    assert first == [Plan("triforce", 3), Plan("autoregressive", 0), Plan("retrieval", 3), Plan("speculative", 3)]
-    teach(chooser, verify=lambda n: 0.5 * n, accept={"draft->middle": 0.2, "draft->verify": 0.2, "middle->verify": 0.2})
-    modes = [chooser.choose().mode for _ in range(600)]
-    probes = [i for i, m in enumerate(modes) if m == "triforce"]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert modes.count("autoregressive") > 560
-    # a probe runs the mode at its longest gamma: its widest verification's cost stays fresh
-    probe_plans = set()
-    chooser2 = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=3)
-    for _ in range(4):
-        chooser2.choose()
-    teach(chooser2, verify=lambda n: 0.5 * n, accept={"draft->middle": 0.2, "draft->verify": 0.2, "middle->verify": 0.2})
-    for _ in range(200):
-        plan = chooser2.choose()
-        if plan.mode != "autoregressive":
-            probe_plans.add(plan)
-    assert probe_plans == {Plan("triforce", 3), Plan("retrieval", 3), Plan("speculative", 3)}
-    # each probe doubles the interval before the next (counted from the pass after the probe)
-    assert gaps == [2 * Chooser.PROBE_EVERY * 2 ** i + 1 for i in range(len(gaps))] and gaps[-1] == Chooser.PROBE_MAX + 1
+    first = [chooser.choose() for _ in range(Chooser.WARM_PASSES + 3)]
+    # nothing measured (no passes ran): every mode is tried, plain decoding first (twice: the first
+    # pass after a prefill is a warm-up), triforce after the modes that time its levels, each at its
+    # longest gamma
+    assert first == [Plan("autoregressive", 0)] * Chooser.WARM_PASSES + [
+        Plan("retrieval", 3), Plan("speculative", 3), Plan("triforce", 3)]
+
+
+def test_probes_cost_a_bounded_share_and_a_mode_far_behind_is_probed_rarely():
+    """A nearly flat full pass, proposals nearly always rejected: plain decoding is best, retrieval a
+    little behind, speculative and triforce further behind by their overheads. Each mode is probed, at
+    its longest gamma, as soon as what the probe is predicted to lose is at most PROBE_SHARE of the
+    time since the mode last ran (a plain pass takes 1 s here): the further behind, the more rarely,
+    and no mode's probes lose more than PROBE_SHARE of the run (plus one probe)."""
+    chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=3)
+    for _ in range(Chooser.WARM_PASSES + 3):
+        chooser.choose()
+    teach(chooser, verify=lambda n: 1.0 + 0.05 * (n - 1),
+          accept={"draft->middle": 0.0, "draft->verify": 0.0, "middle->verify": 0.0})
+    chooser.overhead.update(speculative=0.5, triforce=2.0)
+    best = chooser.best()
+    assert best == Plan("autoregressive", 0)
+    plans = simulate(chooser, 600)
+    assert plans.count(best) > 0.8 * len(plans)
+    probes = [p for p in plans if p != best]
+    assert set(probes) == {chooser.longest(m) for m in ("retrieval", "speculative", "triforce")}
+    gaps, losses = {}, {}
+    for mode in ("retrieval", "speculative", "triforce"):
+        at = [i for i, p in enumerate(plans) if p.mode == mode]
+        gaps[mode] = [b - a for a, b in zip(at, at[1:])]
+        losses[mode] = loss = chooser.loss(chooser.longest(mode), best)
+        assert len(at) * loss <= Chooser.PROBE_SHARE * chooser.elapsed + loss
+        # due after loss / PROBE_SHARE seconds of 1 s passes (a pass taken by another probe delays it)
+        assert max(gaps[mode]) <= max(Chooser.PROBE_MIN, math.ceil(loss / Chooser.PROBE_SHARE)) + 2, (mode, gaps)
+    assert 0 < losses["retrieval"] < losses["speculative"] < losses["triforce"]
+    assert max(gaps["retrieval"]) < min(gaps["speculative"]) and max(gaps["speculative"]) < min(gaps["triforce"])
+
+
+def test_a_probe_that_loses_more_than_predicted_makes_the_next_one_later():
+    """What a probe's round really lost (a drafter that sat out catches up first, which the per-pass
+    prediction misses) spaces that mode's next probe, when it exceeds the prediction."""
+    def gaps(extra: float) -> list[int]:
+        chooser = Chooser(SUB_MODES["speculative"], gamma1=1, gamma2=3)
+        for _ in range(Chooser.WARM_PASSES + 1):
+            chooser.choose()
+        teach(chooser, verify=lambda n: 1.0 + 0.05 * (n - 1), accept={"draft->verify": 0.0})
+        chooser.overhead["speculative"] = 0.1
+        at = []
+        for i in range(400):
+            plan = chooser.choose()
+            seconds, tokens = full_pass(plan.mode, plan.gamma, 1, chooser.costs.estimate, chooser.acceptance.rate,
+                                        chooser.overhead.get(plan.mode, 0.0))
+            if plan.mode == "speculative":
+                at.append(i)
+                seconds += extra
+            chooser.passed("verify", plan.gamma + 1, seconds, typical=False)
+            chooser.finished(plan.mode, seconds, 1)
+        return [b - a for a, b in zip(at, at[1:])]
+
+    predicted, costly = gaps(0.0), gaps(1.0)
+    assert len(predicted) > len(costly) >= 1
+    # over 1 s lost per probe, in passes of about 1 s: due after 1 / PROBE_SHARE passes (or PROBE_MAX)
+    assert min(costly) >= 0.9 * min(Chooser.PROBE_MAX, 1.0 / Chooser.PROBE_SHARE)
+
+
+def test_a_mode_whose_estimate_is_far_off_still_comes_back():
+    """However far behind a mode is predicted to be, it runs again within PROBE_MAX passes."""
+    chooser = Chooser(SUB_MODES["retrieval"], gamma1=1, gamma2=2)
+    for _ in range(Chooser.WARM_PASSES + 1):
+        chooser.choose()
+    teach(chooser, verify=lambda n: 0.5 * n, accept={"middle->verify": 0.0})
+    chooser.overhead["retrieval"] = 100.0
+    plans = simulate(chooser, 2 * Chooser.PROBE_MAX + 2)
+    at = [i for i, p in enumerate(plans) if p.mode == "retrieval"]
+    assert [b - a for a, b in zip(at, at[1:])] == [Chooser.PROBE_MAX + 1] and at[0] < Chooser.PROBE_MAX
 
 
 def test_what_passes_leave_out_counts_against_the_mode():
@@ -211,6 +283,21 @@ def test_what_passes_leave_out_counts_against_the_mode():
     assert chooser.overhead["retrieval"] == pytest.approx(0.9)
     assert chooser.predict(Plan("retrieval", 1)) == pytest.approx((0.01 + 1.0 + 0.9) / 1.5)
     assert chooser.choose() == Plan("autoregressive", 0)
+
+
+def test_the_first_round_after_a_prefill_is_no_overhead_sample():
+    """The first round pays one-time costs (threads starting, state built lazily): counted in it,
+    they kept plain decoding priced at three times its cost for a whole 4K run."""
+    chooser = Chooser(SUB_MODES["retrieval"], gamma1=1, gamma2=1)
+    assert chooser.choose() == Plan("autoregressive", 0)
+    chooser.passed("verify", 1, 0.017)
+    chooser.finished("autoregressive", 0.034)
+    assert "autoregressive" not in chooser.overhead and chooser.elapsed == 0.034
+    assert chooser.choose() == Plan("autoregressive", 0)
+    chooser.passed("verify", 1, 0.012)
+    chooser.finished("autoregressive", 0.013)
+    assert chooser.overhead["autoregressive"] == pytest.approx(0.001)
+    assert chooser.costs.estimate("verify", 1) == 0.012  # the second pass replaced the warm-up
 
 
 def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
@@ -252,16 +339,26 @@ def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
     assert chooser.costs.mean["verify"] == {1: pytest.approx(chooser.pass_seconds - first)}
 
 
-def test_a_mode_is_left_only_for_a_clear_gain():
+def test_a_mode_with_a_drafter_is_switched_to_only_for_a_clear_gain():
+    """Switching to a drafting mode makes its drafter catch up, so it must promise SWITCH_MARGIN less
+    per token; a switch to a mode without a drafter follows the predictions as they are."""
+    chooser = Chooser(SUB_MODES["speculative"], gamma1=1, gamma2=1)
+    teach(chooser, verify=lambda n: 1.0, draft=0.01, accept={"draft->verify": 0.5})
+    assert chooser.choose() == Plan("speculative", 1)  # 0.67 s per token against 1.0
+    chooser.overhead["speculative"] = 0.46  # now (1.01 + 0.46) / 1.5 = 0.98: within the margin of 1.0
+    assert chooser.choose() == Plan("speculative", 1)
+    chooser.overhead["speculative"] = 0.9  # (1.01 + 0.9) / 1.5 = 1.27
+    assert chooser.choose() == Plan("autoregressive", 0)
+    chooser.overhead["speculative"] = 0.46  # 0.98 against 1.0 again: autoregressive stays
+    assert chooser.choose() == Plan("autoregressive", 0)
+
     chooser = Chooser(SUB_MODES["retrieval"], gamma1=1, gamma2=1)
     teach(chooser, verify=lambda n: 1.0, middle=0.01, accept={"middle->verify": 0.5})
-    assert chooser.choose() == Plan("retrieval", 1)  # 0.67 s per token against 1.0
-    chooser.overhead["retrieval"] = 0.46  # now (1.01 + 0.46) / 1.5 = 0.98: within the margin of 1.0
     assert chooser.choose() == Plan("retrieval", 1)
-    chooser.overhead["retrieval"] = 0.9  # (1.01 + 0.9) / 1.5 = 1.27
+    chooser.overhead["retrieval"] = 0.52  # (1.01 + 0.52) / 1.5 = 1.02
     assert chooser.choose() == Plan("autoregressive", 0)
-    chooser.overhead["retrieval"] = 0.46  # 0.98 against 1.0 again: autoregressive stays
-    assert chooser.choose() == Plan("autoregressive", 0)
+    chooser.overhead["retrieval"] = 0.46  # 0.98 against 1.0
+    assert chooser.choose() == Plan("retrieval", 1)
 
 
 def test_agree_makes_every_rank_run_rank_0s_plan():
@@ -361,7 +458,7 @@ def test_generate_reports_the_passes_per_mode(tiny_folder):
         assert proc.returncode == 0, proc.stderr
     a, f = json.loads(adaptive.stdout), json.loads(fixed.stdout)
     assert a["tokens"] == f["tokens"]  # greedy: the same tokens whichever passes ran
-    assert a["adaptive"] and list(a["modes"])[:2] == ["triforce", "autoregressive"]
+    assert a["adaptive"] and list(a["modes"])[:2] == ["autoregressive", "retrieval"]
     assert set(a["modes"]) <= set(SUB_MODES["triforce"]) and sum(a["modes"].values()) == a["full_passes"]
     assert not f["adaptive"] and f["modes"] == {}
     assert "adaptive over triforce's levels" in table.stdout and "full-cache passes per mode" in table.stdout

@@ -10,6 +10,8 @@ device rounds (rounds.py, the GPU default) none. With the full cache offloaded, 
 updates the retrieval cache also waits for the write-backs before reading the host store (one
 wait per absorb, two per layer on a rebuild): not yet removed, counted here so it cannot grow.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -37,9 +39,10 @@ def pair(tmp_path_factory):
 PROMPT = torch.randint(0, 48, (150,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def rounds(pair, mode, temperature, offload, adaptive=False, device_rounds=False):
+def rounds(pair, mode, temperature, offload, adaptive=False, device_rounds=False, cycle=()):
     """[(host waits besides the offload's, middle-level verifications)] for each full-cache round of
-    a generation, and the entry points seen. Checks the offload's own waits on the way."""
+    a generation, and the entry points seen. Checks the offload's own waits on the way. `cycle`:
+    modes an adaptive run takes in turn, each at its longest gamma (instead of by timings)."""
     cfg = GenerationConfig(max_new_tokens=40, budget=64, chunk_size=8, gamma1=4, gamma2=6, draft_window=32,
                            sink_tokens=4, temperature=temperature, adaptive=adaptive,
                            device_rounds=bool(device_rounds))
@@ -47,6 +50,9 @@ def rounds(pair, mode, temperature, offload, adaptive=False, device_rounds=False
     gen = Generator(Models(*pair), cfg, mode, len(PROMPT) + 64, full_cache_factory=factory)
     if device_rounds == "whole":  # each drafter->middle round one graph (run eagerly on CPU)
         enable_cuda_graphs(gen, eager_static=True)
+    if cycle:
+        turns = itertools.cycle(cycle)
+        gen.chooser._choose = lambda: gen.chooser.longest(next(turns))
     gen.prefill(PROMPT)
     out, layers = [], pair[0].kv_shape().num_layers
     with HostSyncCounter() as counter:
@@ -98,7 +104,8 @@ def test_triforce_host_rounds_wait_once_per_round_and_once_per_middle_pass(pair,
 
 @pytest.mark.parametrize("device_rounds", [False, True], ids=["host-rounds", "device-rounds"])
 def test_adaptive_rounds_wait_as_their_mode_does(pair, device_rounds):
-    per_round, _ = rounds(pair, "triforce", 0.0, False, adaptive=True, device_rounds=device_rounds)
+    per_round, _ = rounds(pair, "triforce", 0.0, False, adaptive=True, device_rounds=device_rounds,
+                          cycle=("triforce", "autoregressive", "retrieval", "triforce", "speculative"))
     assert [w for w, _ in per_round] == [1 + (0 if device_rounds else m) for _, m in per_round]
     assert any(m == 0 for _, m in per_round) and any(m > 0 for _, m in per_round)  # modes were mixed
 

@@ -13,14 +13,24 @@ whole (what its passes leave out - sampling, the retrieval cache's upkeep - is t
 counts acceptance per edge (draft->middle, draft->verify, middle->verify), and before each full
 pass predicts the
 milliseconds per token of every sub-hierarchy of the levels it built, at every gamma up to the
-configured one, with the arithmetic below; it runs the cheapest. Each mode is tried once first -
-the configured one, then plain decoding, then the rest, at their longest gamma (one pass at gamma 1
-tells too little of the acceptance: SmolLM2 at 16K, exploring so, settled on plain decoding, 8.6
-tokens/s against 11.6 for retrieval), skipping a mode whose best case (every proposal accepted, its
-untimed passes free) already loses to what is measured - and a mode left unused for its probe interval is
-run once, at its longest gamma, to refresh what it knows, which bounds what a stale estimate can cost; the interval
-doubles (PROBE_EVERY up to PROBE_MAX passes) each time a mode is probed and starts again from
-PROBE_EVERY when the mode wins, so a mode that keeps losing costs ever less.
+configured one, with the arithmetic below; it runs the cheapest. Each mode is tried once first:
+plain decoding first (twice: the pass every prediction leans on, never a loss against plain decoding,
+and the first pass after a prefill is a warm-up),
+then the others by how many levels they run, so that triforce comes after the modes that time its
+drafter and its middle level - at their longest gamma (one pass at gamma 1 tells too little of the
+acceptance: SmolLM2 at 16K, exploring so, settled on plain decoding, 8.6 tokens/s against 11.6 for
+retrieval), skipping a mode whose best case (every proposal accepted, its untimed passes free)
+already loses to what is measured (triforce on a 2-core CPU at 4K, where its drafter costs about
+what a full pass costs, when acceptance is low). After that a mode not run lately is run once, at its longest gamma, to refresh
+what it knows, when what the probe is predicted to lose against the best plan is at most
+PROBE_SHARE of the decoding time since the mode last ran: a mode that nearly wins is probed every
+few passes (a stale estimate of it costs most), one far behind rarely, and probing costs at most
+about PROBE_SHARE of the run per mode. What a probe costs is taken as the larger of its prediction and
+what the mode's probes really lost (a drafter that sat out catches up first). Against the doubling
+intervals this replaced (every 16 passes, then 32, ... 256), side by side with plain decoding: a CPU
+without bf16 at 16K (float32, one thread) 0.93x -> 0.97x; the 4K job on 2 bf16 cores, where nothing
+beats plain decoding and a probe loses 2-3 plain passes, 0.92-1.00x -> 0.95-0.96x over 512 tokens;
+at 16K, where the levels win, 1.17x -> 1.15x (within run-to-run noise).
 """
 from __future__ import annotations
 
@@ -29,7 +39,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from .modes import SUB_MODES  # noqa: F401 (the modes a hierarchy can run)
+from .modes import LEVELS, SUB_MODES, drafts  # noqa: F401 (SUB_MODES: the modes a hierarchy can run)
 from .stats import ROUND
 
 
@@ -62,13 +72,21 @@ def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, i
                         positions, capped at the R E1 tokens they make on average:
                         (R round + verify(R (gamma1+1) + 1) + overhead) / E(a_middle->verify, R E1)
     """
+    seconds, tokens = full_pass(mode, gamma, gamma1, cost, accept, overhead, round_cost, device_rounds)
+    return seconds / tokens
+
+
+def full_pass(mode: str, gamma: int, gamma1: int, cost: Callable[[str, int], float], accept: Callable[[str], float],
+              overhead: float = 0.0, round_cost: float | None = None, device_rounds: bool = False) -> tuple[float, float]:
+    """(seconds, expected committed tokens) of one full pass of `mode` at `gamma` with its proposals:
+    seconds_per_token's numerator and denominator."""
     e = tokens_per_verification
     if mode == "autoregressive":
-        return cost("verify", 1) + overhead
+        return cost("verify", 1) + overhead, 1.0
     if mode == "speculative":
-        return (gamma * cost("draft", 1) + cost("verify", gamma + 1) + overhead) / e(accept("draft->verify"), gamma)
+        return gamma * cost("draft", 1) + cost("verify", gamma + 1) + overhead, e(accept("draft->verify"), gamma)
     if mode == "retrieval":
-        return (gamma * cost("middle", 1) + cost("verify", gamma + 1) + overhead) / e(accept("middle->verify"), gamma)
+        return gamma * cost("middle", 1) + cost("verify", gamma + 1) + overhead, e(accept("middle->verify"), gamma)
     if mode == "triforce":
         if round_cost is None:
             round_cost = gamma1 * cost("draft", 1) + cost("middle", gamma1 + 1)
@@ -76,9 +94,9 @@ def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, i
         if device_rounds:
             rounds = max(1, math.ceil(gamma / per_round - 1e-9))
             width = rounds * (gamma1 + 1)
-            return (rounds * round_cost + cost("verify", width + 1) + overhead) / e(accept("middle->verify"), rounds * per_round)
+            return rounds * round_cost + cost("verify", width + 1) + overhead, e(accept("middle->verify"), rounds * per_round)
         per_middle_token = round_cost / per_round
-        return (gamma * per_middle_token + cost("verify", gamma + 1) + overhead) / e(accept("middle->verify"), gamma)
+        return gamma * per_middle_token + cost("verify", gamma + 1) + overhead, e(accept("middle->verify"), gamma)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -109,8 +127,12 @@ class PassCosts:
         self.decay = decay
         self.mean: dict[str, dict[int, float]] = defaultdict(dict)
         self.samples: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        # estimates since the last record: a choice prices ~20 plans, each a few passes, and the
+        # line's refit per call took a round 0.15 ms of host time (1.4% of a 4K pass on a CPU)
+        self._known: dict[tuple[str, int], float] = {}
 
     def record(self, level: str, tokens: int, seconds: float) -> None:
+        self._known.clear()
         seen = self.samples[level][tokens]
         old = self.mean[level].get(tokens)
         self.mean[level][tokens] = seconds if seen < 2 else self.decay * old + (1 - self.decay) * seconds
@@ -120,6 +142,12 @@ class PassCosts:
         return bool(self.mean.get(level))
 
     def estimate(self, level: str, tokens: int) -> float:
+        key = (level, tokens)
+        if key not in self._known:
+            self._known[key] = self._fit(level, tokens)
+        return self._known[key]
+
+    def _fit(self, level: str, tokens: int) -> float:
         points = self.mean[level]
         if tokens in points:
             return points[tokens]
@@ -141,15 +169,22 @@ class Acceptance:
 
     def __init__(self):
         self.recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        self._rates: dict[str, float] = {}  # since the last record (a choice reads each edge ~30 times)
 
     def record(self, edge: str, proposed: int, accepted: int) -> None:
         if proposed:
             self.recent[edge].append((accepted, int(accepted < proposed)))
+            self._rates.pop(edge, None)
 
     def known(self, edge: str) -> bool:
         return bool(self.recent.get(edge))
 
     def rate(self, edge: str) -> float:
+        if edge not in self._rates:
+            self._rates[edge] = self._rate(edge)
+        return self._rates[edge]
+
+    def _rate(self, edge: str) -> float:
         history = self.recent[edge]
         successes = sum(s for s, _ in history)
         failures = sum(f for _, f in history)
@@ -166,19 +201,29 @@ class Chooser:
     """Picks the plan of each full pass. `agree(index)` makes the ranks of a tensor-parallel group
     follow rank 0's choice (their timings differ, their tokens must not)."""
 
-    PROBE_EVERY, PROBE_MAX = 16, 256  # full passes a mode may go unused before it is run once again
-    # another mode must promise this much less per token to be switched to: a switch has costs the
-    # per-pass figures miss (the drafter catching up on the tokens it did not see), and two modes
-    # within noise of each other would otherwise alternate (SmolLM2 at 16K: speculative 9.3 tok/s,
-    # retrieval 9.0, adaptive flipping between them 8.1)
+    # a probe is due when its predicted loss against the best plan is at most this share of the
+    # decoding time since its mode last ran, and never sooner than PROBE_MIN passes after, never later
+    # than PROBE_MAX (a mode whose estimate is far off still comes back)
+    PROBE_SHARE, PROBE_MIN, PROBE_MAX = 0.005, 4, 256
+    # a mode with a drafter must promise this much less per token to be switched to from one without:
+    # the switch makes the drafter catch up on the tokens it did not see, which the per-pass figures
+    # miss, and two modes within noise of each other would otherwise alternate (SmolLM2 at 16K:
+    # speculative 9.3 tok/s, retrieval 9.0, adaptive flipping between them 8.1). Switching to a mode
+    # without one costs nothing extra (the retrieval cache takes in every round's tokens whichever
+    # mode ran): held there by a margin, the 4K job stayed in retrieval at 0.91x plain decoding.
     SWITCH_MARGIN = 0.1
+    # plain decoding's first passes: the first after a prefill is a warm-up (SmolLM2 at 4K: 17.3 ms,
+    # then 11.7; the round around it 34 ms), and every prediction leans on verify(1), so the second
+    # replaces it (PassCosts) before any other mode is weighed against it
+    WARM_PASSES = 2
 
     def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None,
                  device_rounds: bool = False):
         self.modes, self.gamma1, self.agree, self.device_rounds = modes, gamma1, agree, device_rounds
-        # the order modes are first tried in: the configured one, then plain decoding (one cheap pass
-        # that times verify(1), which every prediction leans on), then the others
-        self.order = tuple(dict.fromkeys(modes[:1] + tuple(m for m in modes if m == "autoregressive") + modes))
+        # the order modes are first tried in: plain decoding (it times verify(1), which every
+        # prediction leans on), then by the levels they run, so that a mode's best case is bounded by
+        # the passes the modes before it timed
+        self.order = tuple(sorted(modes, key=lambda m: len(LEVELS[m])))
         self.plans = [Plan(m, g) for m in modes for g in range(1 if m != "autoregressive" else 0,
                                                                  max_gamma(m, gamma1, gamma2) + 1)]
         self.costs, self.acceptance = PassCosts(), Acceptance()
@@ -186,9 +231,12 @@ class Chooser:
         self.pass_seconds = 0.0  # every timed pass so far; a round's share is the difference
         self._round_start = 0.0
         self.passes = 0
+        self.elapsed = 0.0  # seconds of every finished round
         self.current: str | None = None  # the mode of the last pass that was not a probe
-        self.last_used = {m: None for m in modes}
-        self.interval = {m: self.PROBE_EVERY for m in modes}
+        self.last_used = {m: None for m in modes}  # the pass count, and the elapsed seconds, when each mode last ran
+        self.last_time = {m: 0.0 for m in modes}
+        self.probe_loss: dict[str, float] = {}  # per mode: seconds its probes lost against the best plan (average)
+        self._probing: float | None = None  # while a probe runs: the best plan's seconds per token
 
     def passed(self, level: str, tokens: int, seconds: float, typical: bool = True) -> None:
         """A pass of `level` over `tokens` tokens took `seconds` (Level.run, decode only). An untypical
@@ -197,10 +245,19 @@ class Chooser:
             self.costs.record(level, tokens, seconds)
         self.pass_seconds += seconds
 
-    def finished(self, mode: str, seconds: float) -> None:
-        """The round (proposals, verification, upkeep) that choose() began took `seconds` in all:
-        what its passes do not account for is the mode's overhead. Its average is slow to move
-        (a retrieval rebuild lands on one round in dozens)."""
+    def finished(self, mode: str, seconds: float, tokens: int | None = None) -> None:
+        """The round (proposals, verification, upkeep) that choose() began took `seconds` in all and
+        committed `tokens`: what its passes do not account for is the mode's overhead. Its average is
+        slow to move (a retrieval rebuild lands on one round in dozens). A probe's round also tells
+        what probing that mode really loses (a drafter that sat out first catches up, which its
+        per-pass prediction misses: at 4K a speculative probe lost 26 ms where 7 were predicted)."""
+        self.elapsed += seconds
+        probed, self._probing = self._probing, None
+        if probed is not None and tokens is not None:  # averaged: a probe commits 1 to gamma + 1 tokens
+            lost, old = max(seconds - tokens * probed, 0.0), self.probe_loss.get(mode)
+            self.probe_loss[mode] = lost if old is None else 0.5 * (old + lost)
+        if self.passes == 1:  # the first round after a prefill pays one-time costs outside its passes
+            return
         outside = max(seconds - (self.pass_seconds - self._round_start), 0.0)
         old = self.overhead.get(mode)
         self.overhead[mode] = outside if old is None else 0.9 * old + 0.1 * outside
@@ -251,30 +308,53 @@ class Chooser:
         if self.agree is not None:
             plan = self.plans[self.agree(self.plans.index(plan))]
         self.passes += 1
-        self.last_used[plan.mode] = self.passes
+        self.last_used[plan.mode], self.last_time[plan.mode] = self.passes, self.elapsed
         self._round_start = self.pass_seconds
         return plan
 
     def _choose(self) -> Plan:
+        if "autoregressive" in self.modes and self.passes < self.WARM_PASSES:
+            return Plan("autoregressive", 0)
         for mode in self.order:  # the first passes: every mode once, unless it cannot win
             if self.last_used[mode] is None:
                 tried = [p for p in self.plans if self.last_used[p.mode] is not None and self.known(p.mode)]
                 if tried and min(self.bound(p) for p in self.plans if p.mode == mode) > min(map(self.predict, tried)):
-                    self.last_used[mode] = self.passes  # as if tried now: a probe comes back to it later
+                    # as if tried now: a probe comes back to it later
+                    self.last_used[mode], self.last_time[mode] = self.passes, self.elapsed
                     continue
+                if tried:  # what this first try loses tells when probing the mode pays
+                    self._probing = min(map(self.predict, tried))
                 return self.best(mode)
-        for mode in self.modes:
-            if self.passes - self.last_used[mode] >= self.interval[mode]:
-                self.interval[mode] = min(2 * self.interval[mode], self.PROBE_MAX)
-                return self.longest(mode)
         plan = self.best()
-        if self.current is not None and plan.mode != self.current:
+        for mode in self.modes:
+            if mode != plan.mode and self._probe_due(mode, plan):
+                self._probing = self.predict(plan)
+                return self.longest(mode)
+        if self.current is not None and drafts(plan.mode) and not drafts(self.current):
             staying = self.best(self.current)
             if self.predict(plan) > (1 - self.SWITCH_MARGIN) * self.predict(staying):
                 plan = staying
         self.current = plan.mode
-        self.interval[plan.mode] = self.PROBE_EVERY
         return plan
+
+    def loss(self, probe: Plan, best: Plan) -> float:
+        """Seconds a pass of `probe` is predicted to lose against making its tokens at `best`'s rate
+        (a mode not yet predictable is priced at its best case)."""
+        if self.known(probe.mode):  # bound is its best case: every proposal accepted
+            seconds, tokens = full_pass(probe.mode, probe.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
+                                        self.overhead.get(probe.mode, 0.0), self._round_cost(self.costs.estimate),
+                                        self.device_rounds)
+            per_token = seconds / tokens
+        else:
+            per_token, tokens = self.bound(probe), probe.gamma + 1.0
+        return max(per_token - self.predict(best), 0.0) * tokens
+
+    def _probe_due(self, mode: str, best: Plan) -> bool:
+        since = self.passes - self.last_used[mode]
+        if since < self.PROBE_MIN:
+            return False
+        loss = max(self.loss(self.longest(mode), best), self.probe_loss.get(mode, 0.0))
+        return since >= self.PROBE_MAX or loss <= self.PROBE_SHARE * (self.elapsed - self.last_time[mode])
 
     def summary(self) -> dict:
         """What the chooser believes now: predicted ms per token of each mode at its best gamma."""

@@ -579,7 +579,7 @@ class Generator:
         if self.middle is not None:
             self._update_middle(n_accepted, proposed if retrieves(mode) else 0)
         if self.chooser is not None:
-            self.chooser.finished(mode, time.perf_counter() - start)
+            self.chooser.finished(mode, time.perf_counter() - start, len(new))
         return new
 
     def _propose(self, proposer, c: int, gamma: int):
