@@ -440,11 +440,14 @@ def test_a_chat_generator_keeps_what_it_learned(pair):
     gen = Generator(Models(target, drafter), cfg, "triforce", max_len=400)
     gen.prefill(ids)
     gen.generate()
-    before = gen.chooser.passes
+    chooser, before = gen.chooser, gen.chooser.passes
+    # which modes the first turn tried depends on its timings (one whose best case loses is skipped)
+    learned = {m for m in SUB_MODES["triforce"] if chooser.known(m)}
+    assert "autoregressive" in learned
     gen.extend([5, 6, 7])
     gen.reset_stats()
     gen.generate()
-    assert gen.chooser.passes > before and all(gen.chooser.known(m) for m in SUB_MODES["triforce"])
+    assert gen.chooser is chooser and chooser.passes > before and all(chooser.known(m) for m in learned)
 
 
 def test_generate_reports_the_passes_per_mode(tiny_folder):
