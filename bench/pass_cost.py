@@ -7,6 +7,9 @@ keys and values are read once whatever T is. This fills a full cache with random
 to S (the cost does not depend on their values), runs the target's forward with T new tokens, rolls
 back, and repeats: median milliseconds per pass and the ratio to T=1 at the same S. S small is the
 weights-only cost of a pass (what the retrieval and drafter levels mostly pay on CPU).
+
+`--key-layouts tiled,plain` times a full cache whose keys are in tiles (model/key_tiles.py, what a bf16
+model on avx512_bf16 builds) against one whose keys are not, alternating pass by pass in one process.
 """
 from __future__ import annotations
 
@@ -29,25 +32,47 @@ def parse_args(argv):
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--key-layouts", default="", help="'tiled,plain': both full caches side by side "
+                   "(default: the one the model builds)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
+    args.key_layouts = [name for name in args.key_layouts.split(",") if name]
+    if not set(args.key_layouts) <= {"tiled", "plain"}:
+        p.error("--key-layouts takes tiled and/or plain")
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.tokens = [int(t) for t in args.tokens.split(",")]
     return args
 
 
-def pass_ms(model, cache, length: int, T: int, repeats: int) -> float:
+def pass_ms(model, caches: dict, length: int, T: int, repeats: int) -> dict[str, float]:
+    """Median ms of a pass of T tokens over each cache (filled to `length`), the caches in turn."""
     import torch
 
     tokens = torch.randint(0, model.cfg.vocab_size, (T,))
-    times = []
+    times = {name: [] for name in caches}
     with torch.no_grad():
         for i in range(repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            model(tokens, cache)
-            times.append(time.perf_counter() - start)
-            cache.rollback(length)
-    return 1e3 * statistics.median(times[1:])
+            for name, cache in caches.items():
+                start = time.perf_counter()
+                model(tokens, cache)
+                times[name].append(time.perf_counter() - start)
+                cache.rollback(length)
+    return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
+
+
+def build_caches(model, layouts: list[str], slots: int) -> dict:
+    """Full caches by key layout ('' for the model's own)."""
+    import dataclasses
+
+    from triforce.model.errors import UserError
+    from triforce.speculative.caches import FullCache
+
+    shape = model.kv_shape()
+    if "tiled" in layouts and not shape.tiled_keys:
+        raise UserError("keys are tiled only for a bfloat16 model on a CPU with avx512_bf16 and a C++ compiler; "
+                        "drop 'tiled' from --key-layouts")
+    return {name: FullCache(dataclasses.replace(shape, tiled_keys=name == "tiled") if name else shape, slots)
+            for name in layouts or [""]}
 
 
 def main(argv=None) -> int:
@@ -56,7 +81,6 @@ def main(argv=None) -> int:
     from rich.table import Table
 
     from triforce.runtime.loading import resolve_dtype
-    from triforce.speculative.caches import FullCache
     from triforce.model.loader import load_model
 
     args = parse_args(argv)
@@ -64,25 +88,29 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     longest = max(args.contexts) + max(args.tokens)
     model = load_model(args.model, dtype=resolve_dtype(args.dtype), max_len=longest)
-    cache = FullCache(model.kv_shape(), longest)
+    caches = build_caches(model, args.key_layouts, longest)
     table = Table(title=f"{Path(args.model).name} ({args.dtype}), {torch.get_num_threads()} threads: ms per pass")
-    for col in ("cached S", *(f"T={t}" for t in args.tokens)):
+    for col in ("cached S", *(["keys"] if args.key_layouts else []), *(f"T={t}" for t in args.tokens)):
         table.add_column(col, justify="right")
     points, start = len(args.contexts) * len(args.tokens), time.perf_counter()
     for S in args.contexts:
-        cache.k[:, :, :S].normal_()
-        cache.v[:, :, :S].normal_()
-        cache.used = cache.length = S
+        for cache in caches.values():  # random keys and values: the cost does not depend on them
+            cache.k.normal_()
+            cache.v.normal_()
+            cache.used = cache.length = S
         ms = {}
         for T in args.tokens:
-            ms[T] = pass_ms(model, cache, S, T, args.repeats)
+            ms[T] = pass_ms(model, caches, S, T, args.repeats)
             # a point at 32K cached tokens takes tens of seconds on a CPU: say each one as it lands,
             # on stderr, so that the table on stdout stays clean
+            said = ", ".join(f"{name + ' ' if name else ''}{t:.1f}" for name, t in ms[T].items())
             print(f"pass_cost: {len(ms) + args.contexts.index(S) * len(args.tokens)} of {points} points, "
-                  f"S={S:,} T={T}: {ms[T]:.1f} ms per pass ({time.perf_counter() - start:.0f} s)",
+                  f"S={S:,} T={T}: {said} ms per pass ({time.perf_counter() - start:.0f} s)",
                   file=sys.stderr, flush=True)
-        base = ms.get(1, ms[args.tokens[0]])
-        table.add_row(f"{S:,}", *(f"{ms[T]:.1f} ({ms[T] / base:.2f}x)" for T in args.tokens))
+        for name in caches:
+            base = ms.get(1, ms[args.tokens[0]])[name]
+            table.add_row(f"{S:,}", *([name] if name else []),
+                          *(f"{ms[T][name]:.1f} ({ms[T][name] / base:.2f}x)" for T in args.tokens))
     Console().print(table)
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, decode_attention_f32, layer_ops
+from . import decode_attention, decode_attention_f32, key_tiles, layer_ops
 
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
 
@@ -38,36 +38,45 @@ def backend(q: torch.Tensor) -> str:
 
 
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-                     cache_v: torch.Tensor, layer: int, start: int) -> torch.Tensor:
+                     cache_v: torch.Tensor, layer: int, start: int, tiled: bool = False) -> torch.Tensor:
     """The new tokens' k, v (T, Hkv, D) into the buffers (layers, Hkv, slots, D) at slots
     [start, start + T) of `layer`, then `attend` of their queries over the slots up to them.
     Eager on CPU, where a kernel module serves (bf16 rows on avx512_bf16, float32 on avx2), both are one
     call (`cache_attend`): the write, the views and the grouping were ~20 of a layer's ~50 torch ops.
-    The same bits either way: the same rounding into the cache, the same kernels."""
+    The same bits either way: the same rounding into the cache, the same kernels. `tiled`: cache_k
+    holds its keys in tiles (model/key_tiles.py)."""
     T = k.shape[0]
     if T < SDPA_MIN_QUERIES and not q.is_cuda and layer_ops.enabled and not torch.compiler.is_compiling():
-        for kernels in (decode_attention, decode_attention_f32):  # bf16 on avx512_bf16, float32 on avx2
-            if kernels.serves(q, cache_k):
-                return kernels.cache_attend(q, k, v, cache_k, cache_v, layer, start, q.shape[-1] ** -0.5)
-    cache_k[layer, :, start:start + T] = k.transpose(0, 1)
+        scale = q.shape[-1] ** -0.5
+        if decode_attention.serves(q, cache_k):  # bf16 on avx512_bf16
+            return decode_attention.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale, tiled)
+        if not tiled and decode_attention_f32.serves(q, cache_k):  # float32 on avx2
+            return decode_attention_f32.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale)
+    if tiled:
+        key_tiles.write(cache_k[layer], torch.arange(start, start + T, device=k.device), k.transpose(0, 1))
+    else:
+        cache_k[layer, :, start:start + T] = k.transpose(0, 1)
     cache_v[layer, :, start:start + T] = v.transpose(0, 1)
-    return attend(q, cache_k[layer, :, :start + T], cache_v[layer, :, :start + T])
+    return attend(q, cache_k[layer, :, :start + T], cache_v[layer, :, :start + T], tiled)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """Causal attention of the last T positions.
 
     q: (T, Hq, D) rotated queries of the T newest tokens; keys/values: (Hkv, S, D) with the T newest
-    tokens last. Returns (T, Hq * D). Every earlier key is visible to every query.
+    tokens last (`tiled`: the keys in tiles, model/key_tiles.py). Returns (T, Hq * D). Every earlier
+    key is visible to every query.
     """
     if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype:
         return _attend_flash(q, keys, values)
+    if tiled and not (q.shape[0] < SDPA_MIN_QUERIES and decode_attention.serves(q, keys)):
+        keys, tiled = key_tiles.read(keys, 0, keys.shape[1]), False  # no kernel reads tiles here: a plain copy
     if q.shape[0] >= SDPA_MIN_QUERIES:  # a prefill chunk: one widening copy of the layer is cheap
         return _attend_sdpa(q, keys.to(q.dtype), values.to(q.dtype))
-    return _attend_grouped(q, keys, values)
+    return _attend_grouped(q, keys, values, tiled)
 
 
-def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     T, Hq, D = q.shape
     Hkv, S, _ = keys.shape
     rep = Hq // Hkv
@@ -78,7 +87,7 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
         out = _attend_rows(grouped, keys.to(q.dtype), values.to(q.dtype), future)
     elif _tokens_contiguous(keys) and _tokens_contiguous(values) and (kernels := _kernels_for(grouped, keys)):
         # bf16 on avx512_bf16, float32 rows on avx2 (over a 16-bit cache): one kernel per product, every head
-        out = _attend_kernels(kernels, grouped, keys, values, future)
+        out = _attend_kernels(kernels, grouped, keys, values, future, tiled)
     else:  # CPU bf16 bmm copies a strided batch (a layer's whole live KV, every pass); 2-D GEMMs do not
         # a 16-bit cache under float32 compute (model/kv_dtype.py) without the avx2 kernels widens one
         # head at a time: the float32 copy stays in cache while the GEMM reads it
@@ -97,7 +106,8 @@ def _kernels_for(rows: torch.Tensor, cache: torch.Tensor):
     return None
 
 
-def _attend_kernels(kernels, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future) -> torch.Tensor:
+def _attend_kernels(kernels, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, future,
+                    tiled: bool = False) -> torch.Tensor:
     """`_attend_rows` for all KV heads at once as one call of a kernel module's `attend` (scores,
     softmax and values' product), which reads the cache once at about memory speed where bf16 bmm and
     per-head addmm read it at a third of that (SmolLM2 at 4K, eager: docs/results/2026-11-23-cpu-bytes.md,
@@ -106,7 +116,15 @@ def _attend_kernels(kernels, rows: torch.Tensor, keys: torch.Tensor, values: tor
     avx2 and more than either product at 21 bf16 rows (decode_attention.py)."""
     S, D = keys.shape[-2:]
     T = 1 if future is None else future.shape[1]
-    return kernels.attend(rows, keys, values, torch.arange(S - T + 1, S + 1), D ** -0.5)
+    return _kernel_attend(kernels, rows, keys, values, torch.arange(S - T + 1, S + 1), D ** -0.5, tiled)
+
+
+def _kernel_attend(kernels, rows, keys, values, limits, scale: float, tiled: bool) -> torch.Tensor:
+    """A kernel module's `attend`; tiled keys go to the bf16 kernels, the only ones that read tiles
+    (and the only ones that serve where a cache tiles its keys: bf16 compute)."""
+    if tiled:
+        return decode_attention.attend(rows, keys, values, limits, scale, True)
+    return kernels.attend(rows, keys, values, limits, scale)
 
 
 def _tokens_contiguous(cache: torch.Tensor) -> bool:
@@ -116,13 +134,14 @@ def _tokens_contiguous(cache: torch.Tensor) -> bool:
 
 
 def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                  limits: torch.Tensor) -> torch.Tensor:
+                  limits: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """Attention of T queries (T, Hq, D) against every slot of a cache layer (Hkv, S, D) under an
     additive mask (T, S) of 0 and -inf: the static-shape form (speculative/graphs.py's views), on CPU.
     The mask is a prefix per query: query t sees the first limits[t] slots ((T,) int64), which the
     CPU kernels take instead (they never read the slots past them).
     The query heads sharing a KV head are rows of one product, as in `_attend_grouped`: torch's CPU
-    SDPA with a mask took 3.3 ms for one bf16 query against 4,200 keys (9 heads), this 0.17 ms."""
+    SDPA with a mask took 3.3 ms for one bf16 query against 4,200 keys (9 heads), this 0.17 ms.
+    `tiled`: the keys in tiles (model/key_tiles.py)."""
     T, Hq, D = q.shape
     Hkv = keys.shape[0]
     rep = Hq // Hkv
@@ -131,8 +150,10 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     # decode_attention_f32.py), else bmm
     kernels = _kernels_for(grouped, keys)
     if kernels:  # the whole attention in one call, reading no slot past a query's limit
-        out = kernels.attend(grouped, keys, values, limits, D ** -0.5)
+        out = _kernel_attend(kernels, grouped, keys, values, limits, D ** -0.5, tiled)
         return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+    if tiled:
+        keys = key_tiles.read(keys, 0, keys.shape[1])
     scores = torch.bmm(grouped, keys.to(q.dtype).transpose(1, 2)).view(Hkv, rep, T, -1)
     # the mask broadcasts over the heads: nothing per layer builds or copies it (compiled, the add
     # rides in the softmax kernel)

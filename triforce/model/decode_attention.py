@@ -11,10 +11,11 @@ torch's CPU flash kernel 8x the floor. At one row the products wait on memory; e
 multiply-adds, and past 6-12 rows (64-wide heads, 16K keys) they bound the time. Both products use
 avx512_bf16's pair dot products (32 multiply-adds per instruction):
 
-- scores: a block of 64 keys is transposed once, so that a vector holds one pair of dims of 16 keys;
-  tiles of 6 rows broadcast their own pairs against it (no sums across lanes, each key vector loaded
-  once per tile). Each score is one chain in dim order at any number of rows, so a row's bits do not
-  depend on the rows beside it.
+- scores: a vector holds one pair of dims of 16 keys; tiles of 6 rows broadcast their own pairs
+  against it (no sums across lanes, each key vector loaded once per tile). Each score is one chain in
+  dim order at any number of rows, so a row's bits do not depend on the rows beside it. A full cache
+  stores its keys in that layout (key_tiles.py, `tiled`); other keys are transposed a block of 64 at
+  a time, per call, which cost 1.4 of 4.4 ms (SmolLM2 at 4K keys, 3 rows, one thread).
 - values: keys s, s+1 interleaved in each 32-bit lane against the broadcast weights (p[r,s], p[r,s+1]).
   Up to one tile of rows (6 at head_dim 64, 3 at 128) every sum stays in registers through all keys;
   more rows: a block of keys is interleaved once into a buffer and every tile of rows runs over it,
@@ -185,16 +186,23 @@ AVX512 void scores_tile(const bf16* rows, const bf16* kt, int64_t n, O* out, int
     for (int b = 0; b < NB; b += 2) store32(out + r * S + 16 * b, acc[r][b], acc[r][b + 1], n - 16 * b);
 }
 
-template <int D, typename O>
+// TILED: the keys are stored in tiles already (key_tiles.py: the layout transpose_block writes, 16
+// keys a tile), so each block is read where it lies. Transposing is 64 shuffles per 16 keys and 32
+// words, all on one port: the scores of 3 rows took 4.4 ms with it, 3.0 reading tiles (1 row: 4.0 and
+// 2.05; SmolLM2, 30 layers at 4K keys, one thread). A part block reads its tiles whole: the buffers
+// hold whole blocks, and the scores past n are not stored.
+template <int D, bool TILED, typename O>
 AVX512 void scores_many(const bf16* rows, int64_t R, const bf16* keys, int64_t S, O* out, int64_t ld) {
-  alignas(64) bf16 kt[SBLOCK * D];
+  alignas(64) bf16 buffer[TILED ? 32 : SBLOCK * D];
   constexpr int64_t bytes = SBLOCK * D * 2;
-  Ahead ahead(keys, keys + S * D, bytes, SBLOCK / 16 * D / 32 + (R + SROWS - 1) / SROWS * D / 2);
+  Ahead ahead(keys, keys + S * D, bytes, (TILED ? 0 : SBLOCK / 16 * D / 32) + (R + SROWS - 1) / SROWS * D / 2);
   for (int64_t s0 = 0; s0 < S; s0 += SBLOCK) {
     int64_t n = std::min<int64_t>(SBLOCK, S - s0);
     ahead.aim(keys + s0 * D, bytes);
-    if (n == SBLOCK) transpose_block<D, true>(keys + s0 * D, n, kt, ahead);
-    else transpose_block<D, false>(keys + s0 * D, n, kt, ahead);
+    const bf16* kt = buffer;
+    if constexpr (TILED) kt = keys + s0 * D;
+    else if (n == SBLOCK) transpose_block<D, true>(keys + s0 * D, n, buffer, ahead);
+    else transpose_block<D, false>(keys + s0 * D, n, buffer, ahead);
     int64_t r = 0;
     for (; r + SROWS <= R; r += SROWS) scores_tile<D, SROWS>(rows + r * D, kt, n, out + r * ld + s0, ld, ahead);
     const bf16* q = rows + r * D;
@@ -354,8 +362,9 @@ AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values
 // up to 0.5 apart, and greedy verification could flip a near-tie); decode steps took no longer
 // (SmolLM2, 4K and 16K keys, one and two threads).
 template <int D, typename O>
-void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, O* out, int64_t ld) {
-  scores_many<D>(rows, R, keys, S, out, ld);
+void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, O* out, int64_t ld, bool tiled) {
+  if (tiled) scores_many<D, true>(rows, R, keys, S, out, ld);
+  else scores_many<D, false>(rows, R, keys, S, out, ld);
 }
 
 template <int D, typename O>
@@ -396,8 +405,8 @@ at::Tensor scores(const at::Tensor& rows_in, const at::Tensor& keys) {
   over_tasks(H * C, H * S * R * D, [&](int64_t task) {
     int64_t h = task % H, s0 = task / H * SPAN, n = std::min(SPAN, S - s0);
     const bf16 *q = data(rows) + h * R * D, *k = data(keys) + h * keys.stride(0) + s0 * D;
-    if (D == 64) scores_head<64>(q, R, k, n, o + h * R * S + s0, S);
-    else scores_head<128>(q, R, k, n, o + h * R * S + s0, S);
+    if (D == 64) scores_head<64>(q, R, k, n, o + h * R * S + s0, S, false);
+    else scores_head<128>(q, R, k, n, o + h * R * S + s0, S, false);
   });
   return out;
 }
@@ -419,6 +428,33 @@ at::Tensor mix(const at::Tensor& probs_in, const at::Tensor& values) {
     else mix_head<128>(p, R, S, v, o + h * R * D);
   });
   return out;
+}
+
+// ======== keys in tiles (key_tiles.py) ========
+// Key s of a head at tile s / 16, lane s % 16: word p (dims 2p, 2p+1) at ((s / 16) * D / 2 + p) * 32
+// + (s % 16) * 2, the block layout transpose_block writes. The kernels read whole blocks of 64 keys.
+constexpr int64_t TILE = 16;
+
+void check_tiles(const at::Tensor& keys) {
+  int64_t H = keys.size(0), S = keys.size(1), D = keys.size(2);
+  int64_t reach = (S + SBLOCK - 1) / SBLOCK * SBLOCK;  // the slots a part block reads
+  TORCH_CHECK(H == 0 || ((keys.storage_offset() + (H - 1) * keys.stride(0) + reach * D) * 2 <= int64_t(keys.storage().nbytes())
+              && keys.stride(0) % (TILE * D) == 0 && keys.storage_offset() % (TILE * D) == 0),
+              "tiled keys must start at a tile and hold whole blocks of 64 slots");
+}
+
+// the T new keys k (T, H, D) into a layer's tiles (H, S, D) at slots [start, start + T)
+void write_tiles(const at::Tensor& keys, const at::Tensor& k_in, int64_t start) {
+  auto k = k_in.to(at::kBFloat16).contiguous();
+  int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  auto* to = reinterpret_cast<int32_t*>(keys.data_ptr());
+  const auto* from = reinterpret_cast<const int32_t*>(k.const_data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      int64_t s = start + t;
+      int32_t* tile = to + (h * keys.stride(0) + s / TILE * TILE * D) / 2 + s % TILE;
+      for (int64_t p = 0; p < D / 2; ++p) tile[p * TILE] = from[(t * H + h) * D / 2 + p];
+    }
 }
 
 // ======== attention whole: scores, softmax and mix in one call ========
@@ -469,14 +505,14 @@ AVX512 inline void span_weights(const float* s, int64_t seen, int64_t n, float s
 // rows (H, R, D) bf16 over keys and values (H, S, D) -> out (H, R, D) float32
 template <int D>
 void attend_heads(const at::Tensor& keys, const at::Tensor& values, const bf16* rows, int64_t R, const int64_t* limits,
-                  int64_t tokens, float scale, float* out) {
+                  int64_t tokens, float scale, bool tiled, float* out) {
   const bf16 *k = data(keys), *v = data(values);
   attend_spans(keys.size(0), keys.size(1), R, D, limits, tokens, out,
                [&](int64_t h, int64_t s0, int64_t reach, const int64_t* seen, float* part, float* top, float* total) {
     thread_local std::vector<float> scores;  // each thread's, kept between calls (page faults)
     thread_local std::vector<bf16> weights;
     if (scores.size() < size_t(R * reach)) scores.resize(R * reach), weights.resize(R * reach);
-    scores_head<D>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, reach, scores.data(), reach);
+    scores_head<D>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, reach, scores.data(), reach, tiled);
     for (int64_t r = 0; r < R; ++r)
       span_weights(scores.data() + r * reach, seen[r], reach, scale, weights.data() + r * reach, top[r], total[r]);
     mix_head<D>(weights.data(), R, reach, v + h * values.stride(0) + s0 * D, part);
@@ -486,7 +522,7 @@ void attend_heads(const at::Tensor& keys, const at::Tensor& values, const bf16* 
 // softmax(scale * rows . keys^T) . values, rounded once to bf16; row r is token r % T, which sees the
 // first limits[t] keys
 at::Tensor attend_rows(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values,
-                       const int64_t* limits, int64_t T, double scale) {
+                       const int64_t* limits, int64_t T, double scale, bool tiled) {
   auto rows = rows_in.contiguous();
   TORCH_CHECK(rows.dim() == 3 && rows.scalar_type() == at::kBFloat16, "rows must be bfloat16 (heads, rows, head_dim)");
   int64_t H = rows.size(0), R = rows.size(1), D = rows.size(2);
@@ -495,26 +531,28 @@ at::Tensor attend_rows(const at::Tensor& rows_in, const at::Tensor& keys, const 
   check_cache(values, H);
   TORCH_CHECK(keys.size(1) == values.size(1) && keys.size(2) == D && values.size(2) == D, "keys and values must match");
   TORCH_CHECK(T > 0 && R % T == 0, "limits must hold one count per token of the rows");
+  if (tiled) check_tiles(keys);
   auto out = at::zeros({H, R, D}, rows.options().dtype(at::kFloat));
   if (keys.size(1) > 0 && R > 0) {
-    if (D == 64) attend_heads<64>(keys, values, data(rows), R, limits, T, float(scale), out.data_ptr<float>());
-    else attend_heads<128>(keys, values, data(rows), R, limits, T, float(scale), out.data_ptr<float>());
+    float* o = out.data_ptr<float>();
+    if (D == 64) attend_heads<64>(keys, values, data(rows), R, limits, T, float(scale), tiled, o);
+    else attend_heads<128>(keys, values, data(rows), R, limits, T, float(scale), tiled, o);
   }
   return out.to(at::kBFloat16);  // round to nearest even
 }
 
 at::Tensor attend(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& values,
-                  const at::Tensor& limits_in, double scale) {
+                  const at::Tensor& limits_in, double scale, bool tiled) {
   auto limits = limits_in.to(at::kLong).contiguous();
   TORCH_CHECK(limits.dim() == 1, "limits must hold one count per token of the rows");
-  return attend_rows(rows, keys, values, limits.const_data_ptr<int64_t>(), limits.numel(), scale);
+  return attend_rows(rows, keys, values, limits.const_data_ptr<int64_t>(), limits.numel(), scale, tiled);
 }
 
 // The new tokens' keys and values into the cache (L, H, S, D), then `attend` of their queries over the
 // first start + T slots, token t seeing start + t + 1: what attention.py does for the grouped rows,
 // called from here rather than as ~20 small torch calls a layer from Python.
 at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
-                        at::Tensor cache_v, int64_t layer, int64_t start, double scale) {
+                        at::Tensor cache_v, int64_t layer, int64_t start, double scale, bool tiled) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (tokens, heads, head_dim)");
   int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), H = k.size(1);
   TORCH_CHECK(H > 0 && Hq % H == 0 && k.size(0) == T && v.size(0) == T && v.size(1) == H, "q, k, v disagree");
@@ -524,12 +562,13 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
               "layer or slots out of the cache");
   int64_t S = start + T, rep = Hq / H;
   auto keys = cache_k.select(0, layer), values = cache_v.select(0, layer);
-  keys.narrow(1, start, T).copy_(k.transpose(0, 1));
+  if (tiled) check_tiles(keys), write_tiles(keys, k, start);
+  else keys.narrow(1, start, T).copy_(k.transpose(0, 1));
   values.narrow(1, start, T).copy_(v.transpose(0, 1));
   auto rows = q.view({T, H, rep, D}).permute({1, 2, 0, 3}).reshape({H, rep * T, D});
   std::vector<int64_t> limits(T);
   for (int64_t t = 0; t < T; ++t) limits[t] = start + t + 1;
-  auto out = attend_rows(rows, keys.narrow(1, 0, S), values.narrow(1, 0, S), limits.data(), T, scale);
+  auto out = attend_rows(rows, keys.narrow(1, 0, S), values.narrow(1, 0, S), limits.data(), T, scale, tiled);
   return out.view({H, rep, T, D}).permute({2, 0, 1, 3}).reshape({T, Hq * D});
 }
 
@@ -539,9 +578,9 @@ TORCH_LIBRARY(triforce_decode, m) {
   m.def("use_pool(int address) -> ()", &use_pool);
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
-  m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
+  m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale, bool tiled=False) -> Tensor");
   m.def("cache_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, int layer, int start, "
-        "float scale) -> Tensor");
+        "float scale, bool tiled=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
@@ -591,11 +630,11 @@ def _register_shapes() -> None:
         return probs.new_empty(probs.shape[0], probs.shape[1], values.shape[2])
 
     @torch.library.register_fake("triforce_decode::attend")
-    def _(rows, keys, values, limits, scale):
+    def _(rows, keys, values, limits, scale, tiled=False):
         return rows.new_empty(rows.shape)
 
     @torch.library.register_fake("triforce_decode::cache_attend")
-    def _(q, k, v, cache_k, cache_v, layer, start, scale):
+    def _(q, k, v, cache_k, cache_v, layer, start, scale, tiled=False):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -617,18 +656,19 @@ def mix(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, tiled: bool = False) -> torch.Tensor:
     """softmax(scale * rows . keys^T) . values, scores, softmax and mix in one call: (H, R, D) bf16
     rows, row r being token r % T of its head's query group, token t seeing the first limits[t] keys
     ((T,) int64); (H, S, D) bf16 keys and values. Scores and weights' sums in float32, the weights
-    rounded to bf16 for the values' product, the output rounded once to bf16."""
-    return torch.ops.triforce_decode.attend(rows, keys, values, limits, scale)
+    rounded to bf16 for the values' product, the output rounded once to bf16. `tiled`: the keys are
+    stored in tiles (key_tiles.py), in a buffer of whole blocks; the same bits as the plain layout."""
+    return torch.ops.triforce_decode.attend(rows, keys, values, limits, scale, tiled)
 
 
 def cache_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                 layer: int, start: int, scale: float) -> torch.Tensor:
+                 layer: int, start: int, scale: float, tiled: bool = False) -> torch.Tensor:
     """The T new tokens' bf16 keys and values (T, Hkv, D) into a cache's buffers (L, Hkv, S, D) at
     [layer, :, start:start + T], then `attend` for their queries (T, Hq, D) over the first start + T
     slots, token t seeing start + t + 1 -> (T, Hq * D): one call where the write, the grouping and
-    the views were ~20 torch ops a layer."""
-    return torch.ops.triforce_decode.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale)
+    the views were ~20 torch ops a layer. `tiled`: cache_k holds its keys in tiles (key_tiles.py)."""
+    return torch.ops.triforce_decode.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale, tiled)

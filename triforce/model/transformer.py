@@ -12,7 +12,7 @@ from torch import nn
 
 from functools import partial
 
-from . import cpu_pool, eager_steps, layer_ops
+from . import cpu_pool, eager_steps, key_tiles, layer_ops
 from .kv import KVShape
 from .config import ModelConfig
 from .rope import Rotary, apply_rotary
@@ -123,7 +123,7 @@ class Transformer(nn.Module):
         # the cache may store fewer bits than the model computes with (model/kv_dtype.py)
         dtype = getattr(self, "kv_dtype", None) or p.dtype
         return KVShape(self.cfg.num_layers, self.layers[0].attention.n_kv_heads, self.cfg.head_dim,
-                       dtype, p.device)
+                       dtype, p.device, key_tiles.serves(p.dtype, dtype, p.device, self.cfg.head_dim))
 
     def _apply(self, fn, recurse=True):
         eager_steps.forget(self)  # .to(), .float(), ...: the bound steps hold the old tensors

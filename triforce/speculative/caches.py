@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from triforce.model import key_tiles
 from triforce.model.attention import store_and_attend
 from triforce.model.errors import UserError
 from triforce.model.kv import KVShape
@@ -17,6 +18,7 @@ class SlotCache:
     """Shared mechanics: K and V buffers (layers, kv_heads, slots, head_dim) with `used` slots live."""
 
     max_feed: int  # most tokens one forward may add
+    tiled = False  # keys in tiles (model/key_tiles.py): only a full cache, where the shape says so
 
     def __init__(self, shape: KVShape, slots: int):
         self.shape = shape
@@ -31,7 +33,7 @@ class SlotCache:
         return self.k.shape[2]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return store_and_attend(q, k, v, self.k, self.v, layer, self.used)
+        return store_and_attend(q, k, v, self.k, self.v, layer, self.used, self.tiled)
 
     def end(self, T: int) -> None:
         self.used += T
@@ -48,7 +50,9 @@ class FullCache(SlotCache):
     bytes_moved = 0  # nothing crosses a link: the cache lives where the model computes
 
     def __init__(self, shape: KVShape, max_len: int, prefill_chunk: int = 512):
-        super().__init__(shape, max_len)
+        # keys in tiles where the CPU bf16 kernels read them (its decode steps' scores at 0.7x the time)
+        self.tiled = shape.tiled_keys
+        super().__init__(shape, key_tiles.slots_for(max_len) if self.tiled else max_len)
         self.max_feed = prefill_chunk
         self.queries: list[torch.Tensor | None] = [None] * shape.num_layers
 
@@ -71,13 +75,21 @@ class FullCache(SlotCache):
 
     # --- persistence (speculative/kvfile.py) ---
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V (Hkv, end-start, D) of one layer's tokens [start, end), where they live (a view)."""
-        return self.k[layer, :, start:end], self.v[layer, :, start:end]
+        """K, V (Hkv, end-start, D) of one layer's tokens [start, end), where they live (a view; tiled
+        keys, a plain copy)."""
+        return self._keys(self.k[layer], start, end), self.v[layer, :, start:end]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put K, V (Hkv, n, D) into one layer's slots [start, start + n); the length is unchanged."""
-        self.k[layer, :, start:start + k.shape[1]] = k
+        if self.tiled:
+            key_tiles.write(self.k[layer], torch.arange(start, start + k.shape[1], device=self.k.device), k)
+        else:
+            self.k[layer, :, start:start + k.shape[1]] = k
         self.v[layer, :, start:start + v.shape[1]] = v
+
+    def _keys(self, buffer: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Keys [start, end) of a buffer (..., slots, D), plainly laid out."""
+        return key_tiles.read(buffer, start, end) if self.tiled else buffer[..., start:end, :]
 
     def fill(self, length: int) -> None:
         """The first `length` slots now hold the sequence (written with `write`)."""
@@ -88,17 +100,18 @@ class FullCache(SlotCache):
     # --- what the retrieval cache reads ---
     def chunk_key_means(self, layer: int, chunk: int, n_chunks: int) -> torch.Tensor:
         """(Hkv, n_chunks, D) mean key of each of the first n_chunks complete chunks."""
-        keys = self.k[layer, :, :n_chunks * chunk]
+        keys = self._keys(self.k[layer], 0, n_chunks * chunk)
         return keys.view(keys.shape[0], n_chunks, chunk, -1).float().mean(dim=2)
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (Hkv, n, D) of token positions `index` (Hkv, n), chosen per KV head."""
         heads = torch.arange(index.shape[0], device=index.device)[:, None]
-        return self.k[layer][heads, index], self.v[layer][heads, index]  # indexing: 2x gather in bf16
+        keys = key_tiles.gather(self.k[layer], index) if self.tiled else self.k[layer][heads, index]
+        return keys, self.v[layer][heads, index]  # indexing: 2x gather in bf16
 
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (layers, Hkv, end-start, D) of tokens [start, end)."""
-        return self.k[:, :, start:end], self.v[:, :, start:end]
+        return self._keys(self.k, start, end), self.v[:, :, start:end]
 
 
 class StreamingCache(SlotCache):

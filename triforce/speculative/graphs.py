@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from triforce.model import key_tiles
 from triforce.model.attention import attend_masked
 from triforce.model.eager_steps import watched
 
@@ -60,6 +61,7 @@ class StaticView:
         self.key_slots = torch.arange(cache.capacity, device=device)
         # each layer's K/V as its own tensor (views of the cache's buffers, made once, outside any graph)
         self.layer_k, self.layer_v = list(cache.k.unbind(0)), list(cache.v.unbind(0))
+        self.tiled = cache.tiled  # a full cache's keys in tiles (model/key_tiles.py)
         # additive (0 or -inf) in the attention's dtype, so no layer converts it either
         self.mask = torch.zeros(T, cache.capacity, dtype=cache.k.dtype, device=device)
         self.limits = torch.zeros(T, dtype=torch.long, device=device)  # the mask as counts: slots + 1
@@ -82,13 +84,16 @@ class StaticView:
                 self.queries[layer] = torch.empty_like(q)
             self.queries[layer].copy_(q)
         keys, values = self.layer_k[layer], self.layer_v[layer]  # (Hkv, capacity, D)
-        keys.index_copy_(1, self.slots, k.transpose(0, 1).to(keys.dtype))  # a 16-bit cache under float32 compute
+        if self.tiled:
+            key_tiles.write(keys, self.slots, k.transpose(0, 1))
+        else:
+            keys.index_copy_(1, self.slots, k.transpose(0, 1).to(keys.dtype))  # a 16-bit cache under float32 compute
         values.index_copy_(1, self.slots, v.transpose(0, 1).to(values.dtype))
         if not q.is_cuda:  # torch's CPU SDPA with a mask is 20x the grouped products at one query
             # the cache as it is: the CPU kernels read 16-bit keys themselves, and attend_masked widens
             # only where none serves. Widening here wrote a float32 copy of every layer each pass
             # (compiled, SmolLM2 at 4K on avx2: 6 ms of a 15 ms token; 2x eager at 16K)
-            return attend_masked(q, keys, values, self.mask.to(q.dtype), self.limits)
+            return attend_masked(q, keys, values, self.mask.to(q.dtype), self.limits, self.tiled)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                              attn_mask=self.mask.to(q.dtype), enable_gqa=True)
