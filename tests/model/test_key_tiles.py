@@ -83,10 +83,16 @@ def test_the_kernels_read_tiles_to_the_same_bits(R, T, S, D):
 
 
 @needs_kernels
-def test_cache_attend_writes_tiles_and_attends_to_the_same_bits():
-    L, H, slots, D, start, T = 2, 3, 128, 64, 60, 5
+@pytest.mark.parametrize("T,start,rep,D", [(1, 0, 3, 64), (1, 300, 1, 128), (5, 2046, 3, 64), (7, 4100, 1, 128),
+                                          (3, 17, 2, 64)])
+def test_cache_attend_writes_tiles_and_attends_to_the_same_bits(T, start, rep, D):
+    """From strided views of one projection, as a layer hands them over; across spans of keys."""
+    L, H, slots = 2, 2, key_tiles.slots_for(4200)
     keys, values = random(L, H, slots, D, dtype=torch.bfloat16), random(L, H, slots, D, seed=1, dtype=torch.bfloat16)
-    q, k, v = (random(T, n, D, seed=2 + n, dtype=torch.bfloat16) for n in (9, H, H))
+    qkv = random(T, (H * rep + 2 * H) * D, seed=2, dtype=torch.bfloat16)
+    q = qkv[:, :H * rep * D].view(T, H * rep, D)
+    k = qkv[:, H * rep * D:(H * rep + H) * D].view(T, H, D)
+    v = qkv[:, (H * rep + H) * D:].view(T, H, D)
     plain_k, plain_v, tiles_k, tiles_v = keys.clone(), values.clone(), tiled_copy(keys), values.clone()
     want = decode_attention.cache_attend(q, k, v, plain_k, plain_v, 1, start, D ** -0.5)
     got = decode_attention.cache_attend(q, k, v, tiles_k, tiles_v, 1, start, D ** -0.5, True)
@@ -101,6 +107,10 @@ def test_tiled_attention_refuses_a_buffer_of_part_blocks():
     rows = random(2, 3, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="whole blocks"):
         decode_attention.attend(rows, keys, keys, torch.tensor([70]), 0.125, True)
+    cache = random(1, 2, 70, 64, dtype=torch.bfloat16)
+    kv = random(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        decode_attention.cache_attend(kv, kv, kv, cache, cache.clone(), 0, 3, 0.125, True)
 
 
 # --- a bf16 model over a full cache with and without tiles ---

@@ -443,20 +443,6 @@ void check_tiles(const at::Tensor& keys) {
               "tiled keys must start at a tile and hold whole blocks of 64 slots");
 }
 
-// the T new keys k (T, H, D) into a layer's tiles (H, S, D) at slots [start, start + T)
-void write_tiles(const at::Tensor& keys, const at::Tensor& k_in, int64_t start) {
-  auto k = k_in.to(at::kBFloat16).contiguous();
-  int64_t T = k.size(0), H = k.size(1), D = k.size(2);
-  auto* to = reinterpret_cast<int32_t*>(keys.data_ptr());
-  const auto* from = reinterpret_cast<const int32_t*>(k.const_data_ptr());
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      int64_t s = start + t;
-      int32_t* tile = to + (h * keys.stride(0) + s / TILE * TILE * D) / 2 + s % TILE;
-      for (int64_t p = 0; p < D / 2; ++p) tile[p * TILE] = from[(t * H + h) * D / 2 + p];
-    }
-}
-
 // ======== attention whole: scores, softmax and mix in one call ========
 // Three calls with torch's softmax between them cost SmolLM2 at 16K keys (30 layers, two threads)
 // 4.8 + 1.2 + 4.7 ms at 3 rows and 7.0 + 7.6 + 7.1 at 21: torch's bf16 softmax widened, exponentiated
@@ -504,18 +490,18 @@ AVX512 inline void span_weights(const float* s, int64_t seen, int64_t n, float s
 
 // rows (H, R, D) bf16 over keys and values (H, S, D) -> out (H, R, D) float32
 template <int D>
-void attend_heads(const at::Tensor& keys, const at::Tensor& values, const bf16* rows, int64_t R, const int64_t* limits,
-                  int64_t tokens, float scale, bool tiled, float* out) {
-  const bf16 *k = data(keys), *v = data(values);
-  attend_spans(keys.size(0), keys.size(1), R, D, limits, tokens, out,
+void attend_heads(const bf16* k, int64_t k_head, const bf16* v, int64_t v_head, int64_t H, int64_t S,
+                  const bf16* rows, int64_t R, const int64_t* limits, int64_t tokens, float scale, bool tiled,
+                  float* out) {
+  attend_spans(H, S, R, D, limits, tokens, out,
                [&](int64_t h, int64_t s0, int64_t reach, const int64_t* seen, float* part, float* top, float* total) {
     thread_local std::vector<float> scores;  // each thread's, kept between calls (page faults)
     thread_local std::vector<bf16> weights;
     if (scores.size() < size_t(R * reach)) scores.resize(R * reach), weights.resize(R * reach);
-    scores_head<D>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, reach, scores.data(), reach, tiled);
+    scores_head<D>(rows + h * R * D, R, k + h * k_head + s0 * D, reach, scores.data(), reach, tiled);
     for (int64_t r = 0; r < R; ++r)
       span_weights(scores.data() + r * reach, seen[r], reach, scale, weights.data() + r * reach, top[r], total[r]);
-    mix_head<D>(weights.data(), R, reach, v + h * values.stride(0) + s0 * D, part);
+    mix_head<D>(weights.data(), R, reach, v + h * v_head + s0 * D, part);
   });
 }
 
@@ -535,8 +521,10 @@ at::Tensor attend_rows(const at::Tensor& rows_in, const at::Tensor& keys, const 
   auto out = at::zeros({H, R, D}, rows.options().dtype(at::kFloat));
   if (keys.size(1) > 0 && R > 0) {
     float* o = out.data_ptr<float>();
-    if (D == 64) attend_heads<64>(keys, values, data(rows), R, limits, T, float(scale), tiled, o);
-    else attend_heads<128>(keys, values, data(rows), R, limits, T, float(scale), tiled, o);
+    const bf16 *k = data(keys), *v = data(values);
+    int64_t S = keys.size(1);
+    if (D == 64) attend_heads<64>(k, keys.stride(0), v, values.stride(0), H, S, data(rows), R, limits, T, float(scale), tiled, o);
+    else attend_heads<128>(k, keys.stride(0), v, values.stride(0), H, S, data(rows), R, limits, T, float(scale), tiled, o);
   }
   return out.to(at::kBFloat16);  // round to nearest even
 }
@@ -548,28 +536,67 @@ at::Tensor attend(const at::Tensor& rows, const at::Tensor& keys, const at::Tens
   return attend_rows(rows, keys, values, limits.const_data_ptr<int64_t>(), limits.numel(), scale, tiled);
 }
 
+// D float32 sums -> bf16 (D a multiple of 16), each rounded once to nearest even, as .to() rounds
+AVX512 void round_row(const float* from, bf16* to, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + d), to_bf16(_mm512_loadu_ps(from + d)));
+}
+
 // The new tokens' keys and values into the cache (L, H, S, D), then `attend` of their queries over the
 // first start + T slots, token t seeing start + t + 1: what attention.py does for the grouped rows,
-// called from here rather than as ~20 small torch calls a layer from Python.
+// with the writes, the row grouping, the limits and the output's layout done here by loops over their
+// few bytes (as decode_attention_f32 does): as torch calls, copies, views and conversions, they were
+// 7 of the 16 us a call cost (SmolLM2's 3 KV heads at 64 keys, one thread), 30 calls a decode step.
 at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
                         at::Tensor cache_v, int64_t layer, int64_t start, double scale, bool tiled) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (tokens, heads, head_dim)");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.scalar_type() == at::kBFloat16 &&
+              k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "q, k, v must be bfloat16 (tokens, heads, head_dim)");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
   int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), H = k.size(1);
-  TORCH_CHECK(H > 0 && Hq % H == 0 && k.size(0) == T && v.size(0) == T && v.size(1) == H, "q, k, v disagree");
-  TORCH_CHECK(cache_k.dim() == 4 && cache_k.sizes() == cache_v.sizes() && cache_k.size(1) == H &&
-              cache_k.size(3) == D, "caches must be (layers, kv_heads, slots, head_dim)");
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(H > 0 && Hq % H == 0 && k.size(0) == T && v.size(0) == T && v.size(1) == H && k.size(2) == D &&
+              v.size(2) == D, "q, k, v disagree");
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.is_contiguous() && cache_v.is_contiguous() &&
+              cache_k.sizes() == cache_v.sizes() && cache_k.scalar_type() == at::kBFloat16 &&
+              cache_v.scalar_type() == at::kBFloat16 && cache_k.size(1) == H && cache_k.size(3) == D,
+              "caches must be bfloat16 (layers, kv_heads, slots, head_dim)");
   TORCH_CHECK(0 <= layer && layer < cache_k.size(0) && 0 <= start && start + T <= cache_k.size(2),
               "layer or slots out of the cache");
-  int64_t S = start + T, rep = Hq / H;
-  auto keys = cache_k.select(0, layer), values = cache_v.select(0, layer);
-  if (tiled) check_tiles(keys), write_tiles(keys, k, start);
-  else keys.narrow(1, start, T).copy_(k.transpose(0, 1));
-  values.narrow(1, start, T).copy_(v.transpose(0, 1));
-  auto rows = q.view({T, H, rep, D}).permute({1, 2, 0, 3}).reshape({H, rep * T, D});
+  TORCH_CHECK(!tiled || cache_k.size(2) % SBLOCK == 0, "tiled keys must start at a tile and hold whole blocks of 64 slots");
+  int64_t S = start + T, rep = Hq / H, R = rep * T, slots = cache_k.size(2);
+  auto* keys = reinterpret_cast<bf16*>(cache_k.data_ptr()) + layer * H * slots * D;
+  auto* values = reinterpret_cast<bf16*>(cache_v.data_ptr()) + layer * H * slots * D;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const bf16* key = data(k) + t * k.stride(0) + h * k.stride(1);
+      std::memcpy(values + (h * slots + start + t) * D, data(v) + t * v.stride(0) + h * v.stride(1), D * 2);
+      if (!tiled) {
+        std::memcpy(keys + (h * slots + start + t) * D, key, D * 2);
+        continue;
+      }
+      // key s at tile s / 16, lane s % 16: word p of the tile's keys side by side (key_tiles.py)
+      int64_t s = start + t;
+      auto* tile = reinterpret_cast<int32_t*>(keys + (h * slots + s / TILE * TILE) * D) + s % TILE;
+      for (int64_t p = 0; p < D / 2; ++p) std::memcpy(tile + p * TILE, key + 2 * p, 4);
+    }
+  // rows (H, rep * T, D) ordered (kv head, query head in its group, token), as attention.py groups them
+  thread_local std::vector<bf16> rows;
+  thread_local std::vector<float> grouped;
+  rows.resize(H * R * D), grouped.resize(H * R * D);
+  for (int64_t i = 0; i < Hq; ++i)
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(rows.data() + (i * T + t) * D, data(q) + t * q.stride(0) + i * q.stride(1), D * 2);
   std::vector<int64_t> limits(T);
   for (int64_t t = 0; t < T; ++t) limits[t] = start + t + 1;
-  auto out = attend_rows(rows, keys.narrow(1, 0, S), values.narrow(1, 0, S), limits.data(), T, scale, tiled);
-  return out.view({H, rep, T, D}).permute({2, 0, 1, 3}).reshape({T, Hq * D});
+  if (D == 64) attend_heads<64>(keys, slots * D, values, slots * D, H, S, rows.data(), R, limits.data(), T, float(scale), tiled, grouped.data());
+  else attend_heads<128>(keys, slots * D, values, slots * D, H, S, rows.data(), R, limits.data(), T, float(scale), tiled, grouped.data());
+  // (H, rep, T, D) float32 -> (T, Hq * D) bf16
+  auto out = at::empty({T, Hq * D}, q.options());
+  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
+  for (int64_t i = 0; i < Hq; ++i)
+    for (int64_t t = 0; t < T; ++t) round_row(grouped.data() + (i * T + t) * D, o + (t * Hq + i) * D, D);
+  return out;
 }
 
 }  // namespace
