@@ -10,6 +10,11 @@ weights-only cost of a pass (what the retrieval and drafter levels mostly pay on
 
 `--key-layouts tiled,plain` times a full cache whose keys are in tiles (model/key_tiles.py, what a bf16
 model on avx512_bf16 builds) against one whose keys are not, alternating pass by pass in one process.
+`--against REV` does the same for the bf16 attention kernels of git revision REV (built beside this
+tree's under another op namespace, as bench.attention_rows --old does): a pass whose layers call
+REV's `cache_attend` over the key layout `--key-layouts` names (the model's own by default; `plain`
+for a revision before key tiles), then this tree's over the model's own, so a change is timed
+without another process's noise.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--key-layouts", default="", help="'tiled,plain': both full caches side by side "
                    "(default: the one the model builds)")
+    p.add_argument("--against", default="", help="a git revision whose bf16 attention kernels to time "
+                   "beside this tree's (decode_attention.cache_attend), pass by pass")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     args.key_layouts = [name for name in args.key_layouts.split(",") if name]
@@ -44,20 +51,66 @@ def parse_args(argv):
     return args
 
 
-def pass_ms(model, caches: dict, length: int, T: int, repeats: int) -> dict[str, float]:
-    """Median ms of a pass of T tokens over each cache (filled to `length`), the caches in turn."""
+def pass_ms(model, setups: dict, length: int, T: int, repeats: int) -> dict[str, float]:
+    """Median ms of a pass of T tokens for each setup (name -> (cache filled to `length`, the
+    cache_attend its layers call)), the setups in turn."""
     import torch
 
+    from triforce.model import decode_attention
+
     tokens = torch.randint(0, model.cfg.vocab_size, (T,))
-    times = {name: [] for name in caches}
-    with torch.no_grad():
-        for i in range(repeats + 1):  # the first is a warm-up
-            for name, cache in caches.items():
-                start = time.perf_counter()
-                model(tokens, cache)
-                times[name].append(time.perf_counter() - start)
-                cache.rollback(length)
+    times = {name: [] for name in setups}
+    ours = decode_attention.cache_attend
+    try:
+        with torch.no_grad():
+            for i in range(repeats + 1):  # the first is a warm-up
+                for name, (cache, kernel) in setups.items():
+                    decode_attention.cache_attend = kernel
+                    start = time.perf_counter()
+                    model(tokens, cache)
+                    times[name].append(time.perf_counter() - start)
+                    cache.rollback(length)
+    finally:
+        decode_attention.cache_attend = ours
     return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
+
+
+def kernels_against(rev: str):
+    """REV's cache_attend, built beside this tree's (as bench.attention_rows --old builds them)."""
+    import torch
+
+    from bench.attention_rows import load_old
+    from triforce.model import cpu_pool, decode_attention
+    from triforce.model.errors import UserError
+
+    if not decode_attention.available() or not load_old(rev):
+        raise UserError(f"the bf16 attention kernels of {rev} or of this tree do not build here (avx512_bf16 "
+                        "and a C++ compiler needed); drop --against")
+    old = torch.ops.triforce_decode_old
+    old.use_pool(cpu_pool.address())  # its tasks over the same threads as ours
+
+    def theirs(q, k, v, cache_k, cache_v, layer, start, scale, tiled=False):
+        # a revision before key tiles takes no `tiled`: give it --key-layouts plain
+        return old.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale, *([True] if tiled else []))
+
+    return theirs
+
+
+def setups_for(model, args, slots: int) -> dict:
+    """name -> (full cache, cache_attend): one per key layout; with --against, REV's kernels over the
+    layout asked for (the model's own by default) and this tree's over the model's own."""
+    from triforce.model import decode_attention
+    from triforce.model.errors import UserError
+    from triforce.speculative.caches import FullCache
+
+    caches = build_caches(model, args.key_layouts, slots)
+    if not args.against:
+        return {name: (cache, decode_attention.cache_attend) for name, cache in caches.items()}
+    if len(caches) > 1:
+        raise UserError("--against takes one key layout (the one for the revision's kernels)")
+    (layout, cache), = caches.items()
+    return {args.against + (f" ({layout} keys)" if layout else ""): (cache, kernels_against(args.against)),
+            "this tree": (FullCache(model.kv_shape(), slots), decode_attention.cache_attend)}
 
 
 def build_caches(model, layouts: list[str], slots: int) -> dict:
@@ -88,28 +141,30 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     longest = max(args.contexts) + max(args.tokens)
     model = load_model(args.model, dtype=resolve_dtype(args.dtype), max_len=longest)
-    caches = build_caches(model, args.key_layouts, longest)
+    setups = setups_for(model, args, longest)
     table = Table(title=f"{Path(args.model).name} ({args.dtype}), {torch.get_num_threads()} threads: ms per pass")
-    for col in ("cached S", *(["keys"] if args.key_layouts else []), *(f"T={t}" for t in args.tokens)):
+    names = list(setups)
+    label = "attention" if args.against else "keys" if args.key_layouts else ""
+    for col in ("cached S", *([label] if label else []), *(f"T={t}" for t in args.tokens)):
         table.add_column(col, justify="right")
     points, start = len(args.contexts) * len(args.tokens), time.perf_counter()
     for S in args.contexts:
-        for cache in caches.values():  # random keys and values: the cost does not depend on them
+        for cache, _ in setups.values():  # random keys and values: the cost does not depend on them
             cache.k.normal_()
             cache.v.normal_()
             cache.used = cache.length = S
         ms = {}
         for T in args.tokens:
-            ms[T] = pass_ms(model, caches, S, T, args.repeats)
+            ms[T] = pass_ms(model, setups, S, T, args.repeats)
             # a point at 32K cached tokens takes tens of seconds on a CPU: say each one as it lands,
             # on stderr, so that the table on stdout stays clean
             said = ", ".join(f"{name + ' ' if name else ''}{t:.1f}" for name, t in ms[T].items())
             print(f"pass_cost: {len(ms) + args.contexts.index(S) * len(args.tokens)} of {points} points, "
                   f"S={S:,} T={T}: {said} ms per pass ({time.perf_counter() - start:.0f} s)",
                   file=sys.stderr, flush=True)
-        for name in caches:
+        for name in names:
             base = ms.get(1, ms[args.tokens[0]])[name]
-            table.add_row(f"{S:,}", *([name] if name else []),
+            table.add_row(f"{S:,}", *([name] if label else []),
                           *(f"{ms[T][name]:.1f} ({ms[T][name] / base:.2f}x)" for T in args.tokens))
     Console().print(table)
     return 0

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from bench import costmodel as cm
@@ -65,3 +66,26 @@ def test_pass_cost_says_each_point_on_stderr(tiny_folder, capsys):
     assert [line.split(":")[1].strip() for line in progress] == [
         f"{i} of 4 points, S={s} T={t}" for i, (s, t) in enumerate([(16, 1), (16, 3), (32, 1), (32, 3)], 1)]
     assert "pass_cost:" not in printed.out and "T=3" in printed.out  # the table alone on stdout
+
+
+def test_pass_cost_times_tiled_and_plain_keys_side_by_side(tmp_path, capsys):
+    """A bf16 model with 64-wide heads, where the kernels read tiled keys: a row per layout; on a model
+    whose cache cannot tile its keys, one line saying so."""
+    from bench import pass_cost
+    from tests.conftest import save_tiny
+    from triforce.model import decode_attention
+    from triforce.model.errors import UserError
+
+    save_tiny(tmp_path, seed=3, vocab=64, layers=2, hidden=192, heads=3, kv_heads=1, inter=96)
+    args = ["--model", str(tmp_path), "--contexts", "40", "--tokens", "1,2", "--repeats", "1", "--key-layouts", "tiled,plain"]
+    if not decode_attention.available():
+        with pytest.raises(UserError, match="tiled only"):
+            pass_cost.main([*args, "--dtype", "bfloat16"])
+        return
+    assert pass_cost.main([*args, "--dtype", "bfloat16"]) == 0
+    table = capsys.readouterr().out
+    assert "tiled" in table and "plain" in table and "keys" in table
+    with pytest.raises(UserError, match="tiled only"):  # float32 keeps its keys plain
+        pass_cost.main([*args, "--dtype", "float32"])
+    with pytest.raises(UserError, match="one key layout"):
+        pass_cost.main([*args, "--dtype", "bfloat16", "--against", "HEAD"])
