@@ -36,7 +36,10 @@ LOGIT_MODELS = {  # name -> save_tiny arguments: GQA, q/k/v biases (qwen2), o_pr
     "llama-gqa": dict(seed=3, heads=4, kv_heads=2),
     "qwen2-bias": dict(seed=4, model_type="qwen2", heads=4, kv_heads=2),
     "llama-o-bias": dict(seed=5, heads=4, kv_heads=4, attention_bias=True),
+    # 64-wide heads in bfloat16: the CPU bf16 kernels, and (with avx512_bf16) each rank's keys in tiles
+    "llama-bf16": dict(seed=7, hidden=256, heads=4, kv_heads=2, inter=96),
 }
+LOGIT_DTYPES = {"llama-bf16": torch.bfloat16}  # the others float32
 GEN_MODEL = "qwen2-bias"
 ENGINES = [("autoregressive", False), ("speculative", True), ("retrieval", False), ("triforce", True),
            ("triforce", False), ("triforce-device", True)]  # (mode, separate drafter; False = the target's own weights)
@@ -64,18 +67,25 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------- the work
-def logits_of(folder: Path, rank: int, world: int, dist=None) -> dict:
-    """float32 logits of a prefill (SDPA path), a short piece and decode steps (grouped path)."""
-    model = load_model(folder, torch.float32, rank=rank, world_size=world)
+def logits_of(folder: Path, rank: int, world: int, dist=None, dtype=torch.float32) -> dict:
+    """Logits of a prefill (SDPA path), a short piece and decode steps (grouped path)."""
+    model = load_model(folder, dtype, rank=rank, world_size=world)
     if dist is not None:
         dist.attach(model)
-    cache = FullCache(model.kv_shape(), 128, prefill_chunk=64)
     ids = tokens(70, seed=1)
-    out = [model(torch.tensor(ids[:40]), cache), model(torch.tensor(ids[40:67]), cache)]
-    out += [model(torch.tensor([t]), cache) for t in ids[67:]]
+
+    def run(shape):
+        cache = FullCache(shape, 128, prefill_chunk=64)
+        out = [model(torch.tensor(ids[:40]), cache), model(torch.tensor(ids[40:67]), cache)]
+        out += [model(torch.tensor([t]), cache) for t in ids[67:]]
+        return torch.cat(out), cache
+
+    logits, cache = run(model.kv_shape())
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return {"logits": torch.cat(out), "shapes": shapes, "kv_heads": model.kv_shape().num_kv_heads,
-            "cache_heads": cache.k.shape[1]}
+    return {"logits": logits, "shapes": shapes, "kv_heads": model.kv_shape().num_kv_heads,
+            "cache_heads": cache.k.shape[1], "tiled": cache.tiled,
+            # the same passes over a cache whose keys are not in tiles (what every rank did before them)
+            "plain_logits": run(replace(model.kv_shape(), tiled_keys=False))[0] if cache.tiled else logits}
 
 
 def models_for(folder: Path, rank: int, world: int, dist=None) -> tuple:
@@ -131,7 +141,8 @@ def adaptive(target, drafter, dist) -> dict:
 
 
 def compute(folders: dict, rank: int, world: int, dist=None) -> dict:
-    results = {"logits": {name: logits_of(folders[name], rank, world, dist) for name in LOGIT_MODELS}}
+    results = {"logits": {name: logits_of(folders[name], rank, world, dist, LOGIT_DTYPES.get(name, torch.float32))
+                          for name in LOGIT_MODELS}}
     target, drafter = models_for(folders[GEN_MODEL], rank, world, dist)
     results["greedy"] = {(mode, d, off): generate(target, drafter, mode, d, GREEDY, off)
                          for mode, d in ENGINES for off in OFFLOAD}
@@ -192,7 +203,16 @@ def test_logits_match_single_process(runs, name):
     one = runs[1]["logits"][name]
     ranks = [r["logits"][name] for r in runs[2]]
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # all-reduced: bit-identical on every rank
-    torch.testing.assert_close(ranks[0]["logits"], one["logits"], rtol=0, atol=1e-5)
+    assert ranks[0]["tiled"] == ranks[1]["tiled"] == one["tiled"]
+    if name in LOGIT_DTYPES:  # where the bf16 kernels build, each rank's full cache tiles its keys
+        from triforce.model import decode_attention
+        assert one["tiled"] == decode_attention.available()
+    for run in (one, *ranks):  # keys in tiles change no bit, on either rank
+        assert torch.equal(run["logits"], run["plain_logits"])
+    if name in LOGIT_DTYPES:  # bfloat16: the shards' partial sums round before the all-reduce adds them
+        torch.testing.assert_close(ranks[0]["logits"], one["logits"], rtol=0.05, atol=0.1)
+    else:
+        torch.testing.assert_close(ranks[0]["logits"], one["logits"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(LOGIT_MODELS))
