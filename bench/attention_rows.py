@@ -3,7 +3,8 @@ head (GQA group x verified tokens): the CPU bf16 kernels of model/decode_attenti
 an earlier revision (at most 16 rows per call: more go in chunks of 16) and torch.bmm, for L layers
 x H KV heads at S keys, one thread (or --threads), medians of several repeats after a warm-up. Then
 the whole attention: the two products with torch's softmax between them (three calls, as before
-session 17) against `attend`, scores, softmax and values in one call.
+session 17) against `attend`, scores, softmax and values in one call, and `attend` over the keys in
+tiles, the layout a full cache keeps them in (model/key_tiles.py, session 21).
 
 The floors: memory, reading every key and value once at the bandwidth one thread reads a long array
 at; compute, the rows' multiply-adds at the peak rate of avx512_bf16's pair dot products (32 per
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from triforce.model import cpu_kernels, decode_attention
+from triforce.model import cpu_kernels, decode_attention, key_tiles
 
 OLD_MAX_ROWS = 16  # what the earlier kernels served per call
 
@@ -108,9 +109,17 @@ def chunked(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([op(a[:, r:r + OLD_MAX_ROWS], b) for r in range(0, a.shape[1], OLD_MAX_ROWS)], dim=1)
 
 
+def tiles_of(keys: torch.Tensor) -> torch.Tensor:
+    """Plain keys (H, S, D) in tiles, in a buffer of whole blocks; its first S slots."""
+    buffer = keys.new_zeros(keys.shape[0], key_tiles.slots_for(keys.shape[1]), keys.shape[2])
+    key_tiles.write(buffer, torch.arange(keys.shape[1]), keys)
+    return buffer[:, :keys.shape[1]]
+
+
 def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repeats: int, old: str | None):
     g = torch.Generator().manual_seed(0)
     cache = [tuple(torch.randn(heads, keys, dim, generator=g).bfloat16() for _ in range(2)) for _ in range(layers)]
+    tiled = [tiles_of(k) for k, _ in cache]  # the keys as a full cache stores them (model/key_tiles.py)
     kv_bytes = sum(k.nbytes + v.nbytes for k, v in cache)
     p = probes()
     n = 2_000_000  # rounds of 16 pair dot products of 32 multiply-adds each
@@ -128,6 +137,8 @@ def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repea
         row["three_calls"] = median_ms(lambda: [decode_attention.mix(
             torch.softmax(decode_attention.scores(q, k).mul_(scale), dim=-1), v) for k, v in cache], repeats)
         row["attend"] = median_ms(lambda: [decode_attention.attend(q, k, v, limits, scale) for k, v in cache], repeats)
+        row["attend_tiled"] = median_ms(lambda: [decode_attention.attend(q, t, v, limits, scale, True)
+                                                 for t, (_, v) in zip(tiled, cache)], repeats)
         row["bmm"] = median_ms(lambda: [(torch.bmm(q, k.transpose(1, 2)), torch.bmm(probs, v)) for k, v in cache],
                                repeats)
         if have_old:
@@ -147,7 +158,7 @@ def table(rows: list[dict], info: dict, args) -> str:
              f"floors: memory {info['kv_mb']:.0f} MB at {info['read_gbs']:.1f} GB/s, compute at "
              f"{info['dot_gmacs']:.0f} G bf16 multiply-adds/s (pair dot products)",
              f"{'rows':>4} {'old':>7} {'new':>7} {'(scores':>8} {'values)':>8} {'bmm':>7} {'floor':>7} "
-             f"{'compute':>8} {'memory':>7} {'3 calls':>8} {'attend':>7}"]
+             f"{'compute':>8} {'memory':>7} {'3 calls':>8} {'attend':>7} {'tiled':>6}"]
     for r in rows:
         new = r["new_scores"] + r["new_mix"]
         old = f"{r['old']:7.1f}" if "old" in r else f"{'-':>7}"
@@ -155,8 +166,9 @@ def table(rows: list[dict], info: dict, args) -> str:
         lines.append(f"{r['rows']:>4} {old}{'*' if r['rows'] > OLD_MAX_ROWS and 'old' in r else ' '}"
                      f"{new:6.1f} {r['new_scores']:8.1f} {r['new_mix']:8.1f} {r['bmm']:7.1f} "
                      f"{floor:7.1f} {r['compute_floor']:8.1f} {r['memory_floor']:7.1f} {r['three_calls']:8.1f} "
-                     f"{r['attend']:7.1f}")
-    lines.append(f"* in calls of at most {OLD_MAX_ROWS} rows; floor: the larger of compute and memory")
+                     f"{r['attend']:7.1f} {r['attend_tiled']:6.1f}")
+    lines.append(f"* in calls of at most {OLD_MAX_ROWS} rows; floor: the larger of compute and memory; "
+                 "tiled: attend over keys in tiles, as the full cache holds them")
     return "\n".join(lines)
 
 
