@@ -69,8 +69,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiled: boo
     """
     if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype:
         return _attend_flash(q, keys, values)
-    if tiled and not (q.shape[0] < SDPA_MIN_QUERIES and decode_attention.serves(q, keys)):
-        keys, tiled = key_tiles.read(keys, 0, keys.shape[1]), False  # no kernel reads tiles here: a plain copy
+    kernel_reads_tiles = (q.shape[0] < SDPA_MIN_QUERIES and decode_attention.serves(q, keys)
+                          and _tokens_contiguous(values))
+    if tiled and not kernel_reads_tiles:
+        keys, tiled = key_tiles.read(keys, 0, keys.shape[1]), False  # a plain copy for SDPA or the GEMMs
     if q.shape[0] >= SDPA_MIN_QUERIES:  # a prefill chunk: one widening copy of the layer is cheap
         return _attend_sdpa(q, keys.to(q.dtype), values.to(q.dtype))
     return _attend_grouped(q, keys, values, tiled)
