@@ -92,8 +92,9 @@ class MLP(nn.Module):
         return partial(self._feed, gate_up=eager_steps.step(self.w13, like), down=eager_steps.step(self.w2, like))
 
     def _feed(self, x, gate_up, down):
-        gate, up = gate_up(x).split(self.intermediate, dim=-1)
-        return down(F.silu(gate) * up)
+        both = gate_up(x)
+        # two slices, not Tensor.split: its Python wrapper took 4 us a layer of a ~180 us decode step
+        return down(F.silu(both[..., :self.intermediate]) * both[..., self.intermediate:])
 
 
 class Block(nn.Module):
