@@ -30,6 +30,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--chunk", type=int, default=None, help="our prefill chunk (default: GenerationConfig's)")
     p.add_argument("--hf-chunks", default="0,512", help="transformers' feeds to try, comma-separated (0 = one call)")
+    p.add_argument("--sdpa-too", action="store_true",
+                   help="also time ours with torch's SDPA in place of our bf16 prefill attention kernel")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--debug", action="store_true")
@@ -51,18 +53,25 @@ def prompt_ids(folder: str, text: str, tokens: int) -> list[int]:
     return ids[-tokens:]
 
 
-def ours_prefill(model, ids: list[int], chunk: int):
-    """Seconds for our prefill of ids, and the last position's logits."""
+def ours_prefill(model, ids: list[int], chunk: int, kernel: bool = True):
+    """Seconds for our prefill of ids, and the last position's logits; `kernel` off: bf16 pieces'
+    attention through torch's SDPA (attention.PREFILL_KERNEL)."""
     import torch
+
+    from triforce.model import attention
 
     from triforce.speculative import GenerationConfig
     from triforce.speculative.engine import Generator, Models
 
     gen = Generator(Models(model, None), GenerationConfig(max_new_tokens=1, prefill_chunk=chunk),
                     "autoregressive", max_len=len(ids) + 1)
-    start = time.perf_counter()
-    gen.prefill(ids)
-    seconds = time.perf_counter() - start
+    attention.PREFILL_KERNEL = kernel
+    try:
+        start = time.perf_counter()
+        gen.prefill(ids)
+        seconds = time.perf_counter() - start
+    finally:
+        attention.PREFILL_KERNEL = True
     gen.full.cache.rollback(len(ids) - 1)  # the last token again, for its logits (not timed)
     with torch.inference_mode():
         logits = gen.full.model(torch.tensor(ids[-1:]), gen.full.cache)[-1]
@@ -106,13 +115,16 @@ def load_pair(folder: str, dtype_name: str, tokens: int):
     return ours, hf.eval().requires_grad_(False)
 
 
-def measure(folder: str, text: str, tokens: int, dtype: str, chunk: int, hf_chunks: list[int], repeats: int) -> dict:
+def measure(folder: str, text: str, tokens: int, dtype: str, chunk: int, hf_chunks: list[int], repeats: int,
+            sdpa_too: bool = False) -> dict:
     """One row: both prefills of the same ids, alternating, best of `repeats` after a warm-up each
     (the first WARMUP_TOKENS: allocator and kernel choice settle; a whole long prompt would double
     the run)."""
     ids = prompt_ids(folder, text, tokens)
     ours, hf = load_pair(folder, dtype, tokens)
     runs = {"ours": lambda part: ours_prefill(ours, part, chunk)}
+    if sdpa_too:
+        runs["ours-sdpa"] = lambda part: ours_prefill(ours, part, chunk, kernel=False)
     runs.update({f"hf:{c}": (lambda part, c=c: hf_prefill(hf, part, c)) for c in hf_chunks})
     for run in runs.values():
         run(ids[:WARMUP_TOKENS])
@@ -126,8 +138,10 @@ def measure(folder: str, text: str, tokens: int, dtype: str, chunk: int, hf_chun
             print(f"prefill_rate: {Path(folder).name} {name} repeat {rep + 1} of {repeats}: {tokens:,} tokens "
                   f"in {seconds:.1f} s ({tokens / seconds:,.1f} tokens/s)", file=sys.stderr, flush=True)
     best = {name: min(t) for name, t in times.items()}
-    hf_best = min((n for n in runs if n != "ours"), key=best.get)
-    return {"model": Path(folder).name, "dtype": dtype, "tokens": tokens, "chunk": chunk,
+    hf_best = min((n for n in runs if n.startswith("hf:")), key=best.get)
+    sdpa = {"ours_sdpa_tokens_per_s": tokens / best["ours-sdpa"], "kernel_over_sdpa": best["ours-sdpa"] / best["ours"],
+            "sdpa_last_logits_max_abs_diff": (logits["ours"] - logits["ours-sdpa"]).abs().max().item()} if sdpa_too else {}
+    return {**sdpa, "model": Path(folder).name, "dtype": dtype, "tokens": tokens, "chunk": chunk,
             "hf_chunk": int(hf_best.split(":")[1]), "ours_tokens_per_s": tokens / best["ours"],
             "hf_tokens_per_s": tokens / best[hf_best], "ratio": best[hf_best] / best["ours"],
             "seconds": times, "last_logits_max_abs_diff": (logits["ours"] - logits[hf_best]).abs().max().item(),
@@ -138,10 +152,13 @@ def table(rows: list[dict], threads: int):
     from rich.table import Table
 
     t = Table(title=f"prefill rate, {threads} thread(s): ours vs transformers (best of its feeds)")
-    for col in ("model", "dtype", "tokens", "ours tok/s", "hf tok/s", "hf feed", "ours/hf", "|dlogit|"):
+    sdpa = any("kernel_over_sdpa" in r for r in rows)
+    for col in ("model", "dtype", "tokens", "ours tok/s", *(("ours, SDPA", "kernel/SDPA") if sdpa else ()),
+                "hf tok/s", "hf feed", "ours/hf", "|dlogit|"):
         t.add_column(col, justify="left" if col in ("model", "dtype") else "right")
     for r in rows:
-        t.add_row(r["model"], r["dtype"], f"{r['tokens']:,}", f"{r['ours_tokens_per_s']:,.1f}",
+        extra = (f"{r['ours_sdpa_tokens_per_s']:,.1f}", f"{r['kernel_over_sdpa']:.2f}x") if "kernel_over_sdpa" in r else ("-", "-")
+        t.add_row(r["model"], r["dtype"], f"{r['tokens']:,}", f"{r['ours_tokens_per_s']:,.1f}", *(extra if sdpa else ()),
                   f"{r['hf_tokens_per_s']:,.1f}", f"{r['hf_chunk'] or 'one call'}", f"{r['ratio']:.2f}x",
                   f"{r['last_logits_max_abs_diff']:.2g}")
     return t
@@ -159,7 +176,8 @@ def main(argv=None) -> int:
     chunk = args.chunk or GenerationConfig().prefill_piece("cpu")
     GenerationConfig(prefill_chunk=chunk)  # refuses a bad --chunk, naming it
     text = read_text(args.prompt_file)
-    rows = [measure(m, text, args.tokens, args.dtype, chunk, args.hf_chunks, args.repeats) for m in args.model]
+    rows = [measure(m, text, args.tokens, args.dtype, chunk, args.hf_chunks, args.repeats, args.sdpa_too)
+            for m in args.model]
     Console(width=None if sys.stdout.isatty() else 120).print(table(rows, torch.get_num_threads()))  # logs: no wrap
     if args.out:
         meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": args.repeats,

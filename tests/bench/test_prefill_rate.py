@@ -58,3 +58,39 @@ def test_too_few_tokens_is_a_clean_error(folder, capsys):
     rc = prefill_rate.run_cli(prefill_rate.main, ["--model", str(folder), "--prompt-file", str(folder / "book.txt"),
                                                   "--tokens", "5000", "--repeats", "1"])
     assert rc == 2 and "fewer than --tokens" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """64-wide heads in groups of 3 (SmolLM2's), so that bf16 pieces reach our prefill kernel."""
+    root = tmp_path_factory.mktemp("prefill-rate-wide")
+    save_tiny(root, seed=4, vocab=64, hidden=192, heads=3, kv_heads=1, inter=128)
+    save_tokenizer(root, vocab=64)
+    rng = random.Random(1)
+    (root / "book.txt").write_text(" ".join(f"t{rng.randrange(2, 64)}" for _ in range(300)))
+    return root
+
+
+def test_sdpa_too_times_our_kernel_against_sdpa(wide_heads, tmp_path, capsys, monkeypatch):
+    """--sdpa-too: ours with the prefill kernel and with torch's SDPA, alternating; the kernel runs in
+    the first only (where it builds), and the two agree on the last logits within bf16's rounding."""
+    from triforce.model import decode_attention
+
+    served = []
+    kernel = decode_attention.prefill
+    monkeypatch.setattr(decode_attention, "prefill", lambda *a: served.append(a[0].shape[0]) or kernel(*a))
+    out = tmp_path / "rate.json"
+    rc = prefill_rate.main(["--model", str(wide_heads), "--prompt-file", str(wide_heads / "book.txt"), "--tokens", "256",
+                            "--threads", "1", "--chunk", "100", "--dtype", "bfloat16", "--hf-chunks", "0",
+                            "--repeats", "1", "--sdpa-too", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr()
+    assert "kernel/SDPA" in printed.out
+    progress = [line.split(" repeat")[0].split()[-1] for line in printed.err.splitlines() if line.startswith("prefill_rate:")]
+    assert progress == ["ours", "ours-sdpa", "hf:0"]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["seconds"]) == {"ours", "ours-sdpa", "hf:0"}
+    assert row["kernel_over_sdpa"] == pytest.approx(row["ours_tokens_per_s"] / row["ours_sdpa_tokens_per_s"])
+    assert row["sdpa_last_logits_max_abs_diff"] < 0.25
+    if decode_attention.available():  # pieces of 100, 100 and 56 tokens, 2 layers, in ours' warm-up and run only
+        assert sorted(served) == [56] * 4 + [100] * 8

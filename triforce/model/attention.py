@@ -3,7 +3,7 @@
 Decode and verification (a handful of queries) use grouped matmuls: the query heads that share a
 KV head and all new tokens form the rows of one matrix, so each cached key and value is read once
 per pass however many tokens are verified. Long prefill chunks use torch SDPA, which never
-materialises the (queries x keys) score matrix. On CUDA with fp16/bf16, flash-attn's
+materialises the (queries x keys) score matrix, or in bf16 on avx512_bf16 decode_attention.prefill. On CUDA with fp16/bf16, flash-attn's
 `flash_attn_with_kvcache` serves every call when it imports; the backend is chosen once, at import.
 """
 from __future__ import annotations
@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from . import decode_attention, decode_attention_f32, key_tiles, layer_ops
 
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
+# off: bf16 prefill pieces on CPU take torch's SDPA instead of decode_attention.prefill (bench/prefill_rate.py
+# --sdpa-too compares the two in one process)
+PREFILL_KERNEL = True
 
 
 def _load_flash():
@@ -69,9 +72,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiled: boo
     """
     if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype:
         return _attend_flash(q, keys, values)
-    kernel_reads_tiles = (q.shape[0] < SDPA_MIN_QUERIES and decode_attention.serves(q, keys)
-                          and _tokens_contiguous(values))
-    if tiled and not kernel_reads_tiles:
+    kernels_serve = decode_attention.serves(q, keys) and _tokens_contiguous(values) and (tiled or _tokens_contiguous(keys))
+    if q.shape[0] >= SDPA_MIN_QUERIES:
+        if kernels_serve and PREFILL_KERNEL and not torch.compiler.is_compiling():
+            # a prefill piece in bf16 on avx512_bf16: 1.9x torch's CPU flash kernel (decode_attention.prefill)
+            return decode_attention.prefill(q, keys, values, keys.shape[1] - q.shape[0], q.shape[-1] ** -0.5, tiled)
+        kernels_serve = False  # SDPA's turn
+    if tiled and not kernels_serve:
         keys, tiled = key_tiles.read(keys, 0, keys.shape[1]), False  # a plain copy for SDPA or the GEMMs
     if q.shape[0] >= SDPA_MIN_QUERIES:  # a prefill chunk: one widening copy of the layer is cheap
         return _attend_sdpa(q, keys.to(q.dtype), values.to(q.dtype))

@@ -599,6 +599,95 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return out;
 }
 
+// ======== a prefill piece: many tokens over the cache, flash style ========
+// The attention of T >= 32 new tokens (a prompt's piece, a chat turn) over the S = start + T keys
+// before and among them, token t seeing start + t + 1. `attend` above is built for a few dozen rows:
+// a task per (head, span of 2,048 keys) scores all its rows into one float32 buffer (4,096 tokens x 3
+// rows a token x 2,048 keys: 96 MB, far past the caches) and splits a piece's 3 heads over threads
+// 2:1. Here a task is a (head, block of PREFILL_TOKENS tokens): its rows walk the keys up to the
+// block's last token in steps of PREFILL_SPAN, each step scored, weighed against its own maximum and
+// mixed by the same kernels while its scores (96 rows x 256 keys, 96 KB), keys and values sit in L2,
+// and merged into the rows' running sums (the online softmax). Torch's CPU flash kernel, the path
+// before, computes in float32 (SmolLM2's heads at 4K tokens, one thread: 270 ms a layer, this ~60).
+constexpr int64_t PREFILL_ROWS = 96;  // rows a task aims for: its tokens x the query heads a KV head serves
+constexpr int64_t PREFILL_SPAN = 256;  // keys a step: a multiple of the block (64)
+
+template <int D>
+AVX512 void merge_span(float* acc, float& top, float& total, const float* part, float span_top, float span_total) {
+  float m = std::max(top, span_top), a = std::exp(top - m), b = std::exp(span_top - m);
+  __m512 av = _mm512_set1_ps(a), bv = _mm512_set1_ps(b);
+  for (int d = 0; d < D; d += 16)
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), av, _mm512_mul_ps(_mm512_loadu_ps(part + d), bv)));
+  total = total * a + span_total * b;
+  top = m;
+}
+
+// rows (R x D, row r seeing limits[r] keys) of one KV head -> out (R x D) float32, normalized
+template <int D>
+void prefill_rows(const bf16* keys, const bf16* values, const bf16* rows, int64_t R, const int64_t* limits,
+                  float scale, bool tiled, float* out) {
+  thread_local std::vector<float> scores, part;
+  thread_local std::vector<bf16> weights;
+  scores.resize(R * PREFILL_SPAN), weights.resize(R * PREFILL_SPAN), part.resize(R * D);
+  std::vector<float> top(R, -INFINITY), total(R, 0.0f), span_top(R), span_total(R);
+  std::fill(out, out + R * D, 0.0f);
+  int64_t reach = *std::max_element(limits, limits + R);
+  for (int64_t s0 = 0; s0 < reach; s0 += PREFILL_SPAN) {
+    int64_t n = std::min(PREFILL_SPAN, reach - s0);
+    scores_head<D>(rows, R, keys + s0 * D, n, scores.data(), PREFILL_SPAN, tiled);
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t seen = std::clamp<int64_t>(limits[r] - s0, 0, n);
+      span_weights(scores.data() + r * PREFILL_SPAN, seen, n, scale, weights.data() + r * n, span_top[r],
+                   span_total[r]);
+    }
+    mix_head<D>(weights.data(), R, n, values + s0 * D, part.data());  // weights' rows n apart
+    for (int64_t r = 0; r < R; ++r)
+      if (limits[r] > s0)  // a row whose keys ended before this step saw none of it
+        merge_span<D>(out + r * D, top[r], total[r], part.data() + r * D, span_top[r], span_total[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inverse;
+  }
+}
+
+at::Tensor prefill(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                   double scale, bool tiled) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1,
+              "q must be bfloat16 (tokens, heads, head_dim), head_dim contiguous");
+  int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), H = keys.size(0);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim must be 64 or 128");
+  check_cache(keys, H);
+  check_cache(values, H);
+  TORCH_CHECK(H > 0 && Hq % H == 0 && keys.size(2) == D && values.size(2) == D && keys.size(1) == values.size(1),
+              "q, keys and values disagree");
+  TORCH_CHECK(start >= 0 && start + T <= keys.size(1), "the keys must hold the start and the new tokens");
+  if (tiled) check_tiles(keys);
+  int64_t rep = Hq / H, block = std::max<int64_t>(1, PREFILL_ROWS / rep), blocks = (T + block - 1) / block;
+  auto out = at::empty({T, Hq * D}, q.options());
+  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
+  // the last blocks first: they see the most keys, and tasks are taken in order
+  over_tasks(H * blocks, H * T * (start + T) * rep * D, [&](int64_t task) {
+    int64_t h = task % H, t0 = (blocks - 1 - task / H) * block, tokens = std::min(block, T - t0), R = rep * tokens;
+    thread_local std::vector<bf16> rows;
+    thread_local std::vector<float> sums;
+    thread_local std::vector<int64_t> limits;
+    rows.resize(R * D), sums.resize(R * D), limits.resize(R);
+    for (int64_t g = 0; g < rep; ++g)  // row (g, t): query head h * rep + g of token t0 + t
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::memcpy(rows.data() + (g * tokens + t) * D, data(q) + (t0 + t) * q.stride(0) + (h * rep + g) * q.stride(1), D * 2);
+        limits[g * tokens + t] = start + t0 + t + 1;
+      }
+    const bf16 *k = data(keys) + h * keys.stride(0), *v = data(values) + h * values.stride(0);
+    if (D == 64) prefill_rows<64>(k, v, rows.data(), R, limits.data(), float(scale), tiled, sums.data());
+    else prefill_rows<128>(k, v, rows.data(), R, limits.data(), float(scale), tiled, sums.data());
+    for (int64_t g = 0; g < rep; ++g)
+      for (int64_t t = 0; t < tokens; ++t)
+        round_row(sums.data() + (g * tokens + t) * D, o + (t0 + t) * Hq * D + (h * rep + g) * D, D);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triforce_decode, m) {
@@ -608,6 +697,7 @@ TORCH_LIBRARY(triforce_decode, m) {
   m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale, bool tiled=False) -> Tensor");
   m.def("cache_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, int layer, int start, "
         "float scale, bool tiled=False) -> Tensor");
+  m.def("prefill(Tensor q, Tensor keys, Tensor values, int start, float scale, bool tiled=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
@@ -615,6 +705,7 @@ TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
   m.impl("mix", &mix);
   m.impl("attend", &attend);
   m.impl("cache_attend", &cache_attend);
+  m.impl("prefill", &prefill);
 }
 """
 
@@ -699,3 +790,11 @@ def cache_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: tor
     slots, token t seeing start + t + 1 -> (T, Hq * D): one call where the write, the grouping and
     the views were ~20 torch ops a layer. `tiled`: cache_k holds its keys in tiles (key_tiles.py)."""
     return torch.ops.triforce_decode.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale, tiled)
+
+
+def prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+            tiled: bool = False) -> torch.Tensor:
+    """Causal attention of a piece's T bf16 queries (T, Hq, D) over keys and values (Hkv, start + T, D)
+    (each head's tokens contiguous; `tiled`: keys in tiles), token t seeing the first start + t + 1:
+    (T, Hq * D). Scores and sums in float32, weights rounded to bf16 for the values' product."""
+    return torch.ops.triforce_decode.prefill(q, keys, values, start, scale, tiled)
