@@ -80,6 +80,32 @@ def test_identical_tokenizer_files_need_no_second_load(tmp_path):
     assert not same_tokenizer_files(tmp_path / "a", tmp_path / "b")
 
 
+def test_tokenizer_loads_as_autotokenizer_does(tmp_path, monkeypatch):
+    """A folder whose tokenizer_config.json names TokenizersBackend (what prepare writes) loads without
+    AutoTokenizer (its AutoConfig took 1 s of every start) and gives AutoTokenizer's tokenizer; any
+    other folder still goes through AutoTokenizer."""
+    import json
+
+    import transformers
+
+    from triforce.model.loader import load_tokenizer
+
+    save_tokenizer(tmp_path / "t", vocab=64)
+    save_tiny(tmp_path / "t", vocab=64)
+    want = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "t"))
+    auto = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: auto.append(a) or original(*a, **k))
+    got = load_tokenizer(tmp_path / "t")
+    assert not auto and type(got) is type(want)
+    text = "t0 t5 t63 t1 t7 unknown"
+    assert got(text)["input_ids"] == want(text)["input_ids"] and got.get_vocab() == want.get_vocab()
+    assert got.all_special_ids == want.all_special_ids and got.eos_token_id == want.eos_token_id
+    config = tmp_path / "t" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert load_tokenizer(tmp_path / "t")(text)["input_ids"] == want(text)["input_ids"] and len(auto) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_rounds_as_the_reference(dtype):
     """Eager on CPU one call of ours (layer_ops.rms_norm, the mean summed in float64); elsewhere
