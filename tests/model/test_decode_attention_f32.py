@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from triforce.model import attention
+from triforce.model import attention, cpu_kernels
 from triforce.model import decode_attention as bf16
 from triforce.model import decode_attention_f32 as f32
 from tests.model.test_attention import reference
@@ -180,7 +180,7 @@ def test_compiled_attention_calls_the_ops(monkeypatch):
     calls = []
     kernel = f32.attend
     monkeypatch.setattr(f32, "attend", lambda rows, *args: calls.append(rows.shape) or kernel(rows, *args))
-    compiled = torch.compile(attention.attend_masked, fullgraph=True, dynamic=False)
+    compiled = cpu_kernels.compile(attention.attend_masked, fullgraph=True, dynamic=False)
     # inductor's FX graph cache does not key on ATEN_CPU_CAPABILITY: a graph cached under avx2 (8-wide
     # loops) reloaded without it compiles with avx512's 16-wide vectors and stores past its buffers
     with torch._inductor.config.patch(fx_graph_cache=False):

@@ -116,6 +116,39 @@ def test_second_stored_load_maps_the_cache_and_equals_the_first(tmp_path, monkey
     assert gguf_loader.weights_summary(first)["bytes_per_pass"] == gguf_loader.weights_summary(second)["bytes_per_pass"]
 
 
+@pytest.mark.parametrize("kind,arch", [("Q4_1", "llama"), ("Q8_0", "llama"), ("Q5_0", "qwen2")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_skeleton_of_every_form_fits_its_cache(tmp_path, monkeypatch, kind, arch, dtype):
+    """A cached load builds its modules on meta without computing the packing (stored.shape_only):
+    for affine and signed codes (two halves, or bytes on the compiled float32 route), with llama's
+    q and k rows reordered, the shapes fit the cache, which serves the second load whole."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, seed=7, kind=kind, arch=arch)
+    first = load_gguf_model(path, dtype, stored=True)
+    monkeypatch.setattr(gguf_loader, "open_checkpoint", lambda _: pytest.fail("the second load parsed the GGUF"))
+    second = load_gguf_model(path, dtype, stored=True)
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and repr(first) == repr(second)
+    assert torch.equal(_logits(first), _logits(second))
+
+
+def test_a_cached_load_imports_no_compiler(tmp_path):
+    """Loading from the cache runs no torch op on meta and marks no function for torch.compile:
+    either imports torch._dynamo, a second of every start (the main job: 11.4 s in all)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, seed=8)
+    load_gguf_model(path, torch.bfloat16, stored=True)
+    code = ("import sys, torch; from triforce.model.gguf_loader import load_gguf_model; "
+            f"m = load_gguf_model({str(path)!r}, torch.bfloat16, stored=True); "
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo', type(m.layers[0].mlp.w2).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["no", "dynamo", "PackedLinear"] and "rebuilding" not in out.stderr
+
+
 @pytest.mark.parametrize("damage", ["stale", "truncated", "garbage"])
 def test_a_stale_or_corrupt_cache_is_rebuilt_with_a_note(tmp_path, monkeypatch, capsys, damage):
     path = tmp_path / "m.gguf"

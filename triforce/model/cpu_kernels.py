@@ -253,6 +253,30 @@ class Kernel:
 _LOADED: dict[str, bool] = {}
 
 
+_CONSTANT_RESULTS: list[Callable] = []
+
+
+def constant_result(fn: Callable) -> Callable:
+    """Mark fn (a kernel module's `available`) for torch.compile as returning a constant: dynamo then
+    calls it at trace time and builds nothing of it inside a graph (torch.compiler.assume_constant_result).
+    Marked when something compiles (`compile` below), not here: assume_constant_result imports
+    torch._dynamo, a second of every eager run's start."""
+    _CONSTANT_RESULTS.append(fn)
+    return fn
+
+
+def compile(fn: Callable, **options) -> Callable:
+    """torch.compile(fn, **options), the kernel modules' `available` marked constant first."""
+    import torch
+
+    for marked in _CONSTANT_RESULTS:
+        if torch.compiler.assume_constant_result(marked) is not marked:  # documented to return fn itself
+            raise RuntimeError("torch.compiler.assume_constant_result wrapped the function: mark it at definition")
+    return torch.compile(fn, **options)
+
+
+
+
 def _compile_and_load(kernel: Kernel) -> bool:
     try:
         import fcntl

@@ -712,7 +712,7 @@ TORCH_LIBRARY_IMPL(triforce_decode, CPU, m) {
 KERNEL = cpu_kernels.Kernel("triforce_decode_attention", SOURCE, pool_ops="triforce_decode")
 
 
-@torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
+@cpu_kernels.constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here and compute bmm's products on a small case (any failure,
     a missing compiler or headers, means attention keeps bmm). Asked once per process."""

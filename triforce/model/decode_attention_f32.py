@@ -561,7 +561,7 @@ TORCH_LIBRARY_IMPL(triforce_decode_f32, CPU, m) {
 KERNEL = cpu_kernels.Kernel("triforce_decode_attention_f32", SOURCE, isa=cpu_kernels.AVX2, pool_ops="triforce_decode_f32")
 
 
-@torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
+@cpu_kernels.constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here (avx2, fma, f16c and a C++ compiler) and compute bmm's
     products on a small case; any failure means attention keeps torch's GEMMs. Asked once per process."""

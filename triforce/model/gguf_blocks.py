@@ -85,6 +85,8 @@ class Blocks:
 
     def rows(self, index: torch.Tensor) -> "Blocks":
         """The same matrix with its rows reordered (a row's blocks move with it)."""
+        if self.q.is_meta:  # a cached model's skeleton: the same shapes (stored.shape_only)
+            return self
         return Blocks(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
 
 

@@ -80,7 +80,10 @@ class Rotary:
     """cos/sin for arbitrary positions, computed on the fly in float32 (no max-length table)."""
 
     def __init__(self, cfg: ModelConfig, max_len: int | None = None):
-        self.inv_freq, self.scale = rope_frequencies(cfg, max_len)
+        # on the CPU even inside a model built on meta (the loaders): values, not shapes; on meta
+        # torch's refs would compute them, which import torch._dynamo (a second of every run's start)
+        with torch.device("cpu"):
+            self.inv_freq, self.scale = rope_frequencies(cfg, max_len)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each (T, D), for `apply_rotary`."""

@@ -79,7 +79,8 @@ class PackedLinear(nn.Module):
         self.stored_bytes = 0  # set by the loader: the GGUF bytes of this matrix
         # our own nibble pairs, for dequantizing (the kernel's packed layout is its own business)
         pairs = codes.to(torch.uint8).view(self.out_features, -1, 2)
-        self.register_buffer("codes", pairs[..., 0] | (pairs[..., 1] << 4))
+        self.register_buffer("codes", shape_only(pairs.shape[:2], torch.uint8) if codes.is_meta
+                             else pairs[..., 0] | (pairs[..., 1] << 4))
         self.register_buffer("scales", scales.float().contiguous())  # (N, K' / 32), exact f16 values
         self.register_buffer("zeros", zeros.float().contiguous())
         self.kernel_dtype = dtype if dtype in KERNEL_DTYPES and _int4_kernels_available() else None
@@ -178,10 +179,14 @@ def packed_from_blocks(blocks: Blocks, dtype: torch.dtype, bias: torch.Tensor | 
     forms = {FORMS.get(kind) for kind in blocks.kind.split("+")}
     records = block_records(blocks, forms) if records_route(dtype) else None
     if forms == {"affine"}:  # Q4_K arrives decoded into Q4_1's per-32 form
-        layer = PackedLinear(blocks.q, blocks.d, blocks.m + 8 * blocks.d, 1, dtype, bias, blocks.kind, records)
+        zeros = blocks.m if blocks.m.is_meta else blocks.m + 8 * blocks.d  # shape_only: the same shape
+        layer = PackedLinear(blocks.q, blocks.d, zeros, 1, dtype, bias, blocks.kind, records)
     elif (forms == {"signed"} and dtype == torch.float32 and records is None and stored_f32.available()
           and stored_f32.bytes_pay()):
         layer = ByteCodesLinear(blocks.q, blocks.d, bias, blocks.kind)
+    elif forms == {"signed"} and blocks.q.is_meta:  # shape_only
+        codes, scales = _cat([blocks.q.to(torch.int16)] * 2, dim=1), _cat([blocks.d] * 2, dim=1)
+        layer = PackedLinear(codes, scales, scales, 2, dtype, bias, blocks.kind, records)
     elif forms == {"signed"}:  # Q5_0 arrives decoded into Q8_0's form
         q = blocks.q.to(torch.int16)
         hi, lo = (q >> 4) + 8, q & 15  # arithmetic shift: q = 16 * (hi - 8) + lo
@@ -226,7 +231,8 @@ class ByteCodesLinear(PackedLinear):
         self.block_kernel = None
         self.out_features, self.in_features = q.shape
         self.packed_k, self.stored_bytes = self.in_features, 0
-        self.register_buffer("offset_codes", (q.to(torch.int16) + 128).to(torch.uint8))
+        self.register_buffer("offset_codes", shape_only(q.shape, torch.uint8) if q.is_meta
+                             else (q.to(torch.int16) + 128).to(torch.uint8))
         self.register_buffer("scales", d.float().contiguous())  # (N, K / 32): exact f16 values
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
@@ -256,9 +262,26 @@ def concat_blocks(parts: list[Blocks]) -> Blocks:
     kinds = sorted({p.kind for p in parts})
     if len({FORMS[k] for k in kinds}) != 1:
         raise ValueError(f"cannot stack {' and '.join(kinds)}: their packed forms differ")
-    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-    return Blocks("+".join(kinds), torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m,
+    m = None if parts[0].m is None else _cat([p.m for p in parts])
+    return Blocks("+".join(kinds), _cat([p.q for p in parts]), _cat([p.d for p in parts]), m,
                   nbytes=sum(p.stored_bytes for p in parts))
+
+
+def shape_only(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of a cached model's skeleton, the modules' shapes built on meta for its packed state
+    to fill (gguf_loader, stored_cache). The packing steps make these without computing on meta:
+    torch's meta ops for them (even an addition) run through its refs, which import torch._dynamo,
+    a second of every run's start."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat; of meta tensors (shape_only) the shape alone."""
+    if not tensors[0].is_meta:
+        return torch.cat(tensors, dim=dim)
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return shape_only(shape, tensors[0].dtype)
 
 
 class StackedOutputs(nn.Module):

@@ -346,7 +346,7 @@ TORCH_LIBRARY_IMPL(triforce_stored_f32, CPU, m) {
 
 KERNEL = cpu_kernels.Kernel("triforce_stored_f32", SOURCE, isa=cpu_kernels.AVX2, pool_ops="triforce_stored_f32")
 
-@torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
+@cpu_kernels.constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here (avx2, FMA, F16C and a C++ compiler) and compute the dequantized
     product on a small case. Asked once per process."""

@@ -252,7 +252,7 @@ TORCH_LIBRARY_IMPL(triforce_stored, CPU, m) {
 KERNEL = cpu_kernels.Kernel("triforce_stored_bf16", SOURCE, pool_ops="triforce_stored")
 
 
-@torch.compiler.assume_constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
+@cpu_kernels.constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here and compute the dequantized product on a small case (any
     failure keeps torch's int4 kernel). Asked once per process."""
@@ -315,8 +315,15 @@ def _scale_bytes(scales: list[torch.Tensor], dtype: torch.dtype) -> list[torch.T
     return out
 
 
+def _shape_only(q: torch.Tensor, record_bytes: int) -> torch.Tensor:
+    """The records' shape for codes q (N, K) on meta (stored.shape_only)."""
+    return torch.empty((-(-q.shape[0] // LANES), q.shape[1] // BLOCK, record_bytes), dtype=torch.uint8, device="meta")
+
+
 def q4_records(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Codes q (N, K) in [0, 15], d and m (N, K / 32) -> Q4 records (G, K / 32, 320 or 384) uint8."""
+    if q.is_meta:  # stored.shape_only
+        return _shape_only(q, 256 + 2 * LANES * scale_dtype.itemsize)
     q = _groups(q.to(torch.int64))  # shifts past bit 31 below: no overflow
     g, blocks = q.shape[0] // LANES, q.shape[1] // BLOCK
     # column 8c + 2k + e of a block goes to vector c, bit 4k + 16e of its lane's word
@@ -329,6 +336,8 @@ def q4_records(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, scale_dtype: t
 
 def q8_records(q: torch.Tensor, d: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Codes q (N, K) in [-128, 127], d (N, K / 32) -> Q8 records (G, K / 32, 544 or 576) uint8."""
+    if q.is_meta:  # stored.shape_only
+        return _shape_only(q, 512 + LANES * scale_dtype.itemsize)
     q = _groups(q.to(torch.int8))
     g, blocks = q.shape[0] // LANES, q.shape[1] // BLOCK
     # columns 4c + (0, 2, 1, 3) of a block are the bytes of vector c's lane word

@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from . import cpu_kernels
+
 WORD_NIBBLES = 8  # an int32 of the codes holds 8 nibbles: nibble i of word p of a block is column 8p + i
 GROUP = 32
 
@@ -46,7 +48,7 @@ def _compiled(fn):
     # one graph per matrix shape (static shapes: a dynamic kernel measured 2x slower); a model and
     # its drafter have more shapes than dynamo's default limit of 8, past which it falls back to eager
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-    return torch.compile(fn, dynamic=False)
+    return cpu_kernels.compile(fn, dynamic=False)
 
 
 SHIFTS = torch.arange(WORD_NIBBLES, dtype=torch.int32) * 4

@@ -106,6 +106,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, intermediate)
 
 
+def _embedding(vocab: int, hidden: int) -> nn.Embedding:
+    if torch.get_default_device().type == "meta":  # the loaders build here, then load the weights
+        # no init: nn.Embedding's normal_ on meta runs through torch's refs, which import torch._dynamo,
+        # a second of every run's start
+        return nn.Embedding.from_pretrained(torch.empty(vocab, hidden), freeze=False)
+    return nn.Embedding(vocab, hidden)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, world_size: int = 1, max_len: int | None = None):
         super().__init__()
@@ -113,7 +121,7 @@ class Transformer(nn.Module):
         self.world_size = world_size
         n_heads, n_kv = cfg.num_heads // world_size, cfg.num_kv_heads // world_size
         intermediate = cfg.intermediate_size // world_size
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, n_heads, n_kv, intermediate) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from triforce.model import key_tiles
+from triforce.model import cpu_kernels, key_tiles
 from triforce.model.attention import attend_masked
 from triforce.model.eager_steps import watched
 
@@ -213,7 +213,7 @@ def compile_static(fn, options: dict | None = None):
     if hasattr(fn, "__self__"):  # a bound method: bound again
         own = types.MethodType(own, fn.__self__)
     options = dict(options or {}, guard_filter_fn=_guards_on_inputs)
-    return torch.compile(own, fullgraph=True, dynamic=False, options=options)
+    return cpu_kernels.compile(own, fullgraph=True, dynamic=False, options=options)
 
 
 def capture_graph(run, models, device: torch.device, warmup: int = 2):
