@@ -8,7 +8,10 @@ caches (bench.bench, which also checks greedy tokens against our autoregressive 
 host-to-device link floor (bench.linkbench / bench.measure); float32 greedy equality with the KV in
 host memory (bench.bench fails on a mismatch); CUDA-graph tokens equal to eager ones (tests/gpu).
 Each step runs the existing tool as its own process, so one failing step leaves the others' figures;
-the JSON holds every step's command, exit status, seconds and results.
+the JSON holds every step's command, exit status, seconds and results, and is rewritten after every
+step, so a call stopped at its limit still returns what was done. A lent machine's time is short:
+`--deadline S` gives the whole plan S seconds (each step's limit shrinks to what is left, a step with
+too little left is recorded as skipped), and `--only`/`--skip` split the plan between calls.
 Without CUDA it prints one line and exits 2. `--rehearse` runs the same plan on this machine's CPU at
 512 and 1,024 tokens (8 new tokens, the link step on random weights of 2 layers): it proves every
 step's command runs before device time is spent on it (its figures mean nothing). Getting the model
@@ -24,28 +27,33 @@ import tempfile
 import time
 from pathlib import Path
 
+from triforce.cli.common import run_cli
+from triforce.model.errors import UserError
+
 OURS = "autoregressive,speculative,retrieval,triforce,triforce-host"  # triforce: device rounds on a GPU
 MODEL = "models/smollm2-135m"
 
 
 CONTEXTS, REHEARSAL_CONTEXTS = "4096,32768", "512,1024"
+MIN_STEP_SECONDS = 20  # a step given less than this is skipped rather than started and cut
 
 
 def steps(model: str, new_tokens: int, rehearse: bool = False) -> list[tuple[str, list[str]]]:
-    """(name, argv after `python -m`) of every measurement, cheapest first; rehearsed, the same plan
-    at sizes a CPU runs in seconds."""
+    """(name, argv after `python -m`) of every measurement, those the targets of issue 22 need most
+    first (the KV in host memory is the product's regime); rehearsed, the same plan at sizes a CPU
+    runs in seconds."""
     contexts = REHEARSAL_CONTEXTS if rehearse else CONTEXTS
     bench = ["bench.bench", "--model", model, "--new-tokens", str(new_tokens), "--repeats", "1", "--draft", "self"]
     link = ["--context", "1024", "--layers", "2", "--device", "cpu"] if rehearse else ["--context", "32768", "--layers", "30"]
     out = [("link floor", ["bench.linkbench", "--tokens", "1", "7", *link])]
-    for offload in ("none", "host"):
-        peers = "hf-static" if offload == "none" else "hf-offloaded"
-        for sampled in (False, True):
+    for sampled in (False, True):
+        for offload in ("host", "none"):
+            peers = "hf-static" if offload == "none" else "hf-offloaded"
             name = f"kv {'gpu' if offload == 'none' else 'host'} {'sampled' if sampled else 'greedy'}"
             systems = OURS + ("" if sampled else f",{peers}")
             argv = [*bench, "--contexts", contexts, "--offload", offload, "--dtype", "bfloat16", "--systems", systems]
             out.append((name, argv + (["--temperature", "0.8"] if sampled else [])))
-    out.append(("float32 greedy equality, kv host",
+    out.append(("float32 greedy equality (kv host)",
                 [*bench, "--contexts", contexts.split(",")[0], "--offload", "host", "--dtype", "float32", "--systems", OURS]))
     out.append(("graph == eager tokens", ["pytest", "-q", "tests/gpu"]))
     return out
@@ -66,7 +74,19 @@ def run_step(name: str, argv: list[str], scratch: Path, timeout: float) -> dict:
     result = json.loads(out_file.read_text()) if out_file.exists() else json_lines(stdout)
     print(f"[gpu_figures] {name}: exit {code} in {seconds:.0f} s", flush=True)
     return {"name": name, "command": command[2:], "exit": code, "seconds": seconds, "result": result,
-            "tail": (stdout + stderr)[-2000:]}
+            "tail": (stdout + stderr)[-(2000 if code == 0 else 8000):]}
+
+
+def chosen(plan: list[tuple[str, list[str]]], only: str | None, skip: str | None) -> list[tuple[str, list[str]]]:
+    """The plan's steps named by --only (all by default) less those named by --skip (comma-separated)."""
+    names = [n for n, _ in plan]
+    picked = {}
+    for flag, value in (("--only", only), ("--skip", skip)):
+        picked[flag] = [n.strip() for n in value.split(",") if n.strip()] if value else []
+        unknown = [n for n in picked[flag] if n not in names]
+        if unknown:
+            raise UserError(f"{flag}: no step named {', '.join(map(repr, unknown))}; the steps are {', '.join(names)}")
+    return [(n, a) for n, a in plan if (not picked["--only"] or n in picked["--only"]) and n not in picked["--skip"]]
 
 
 def json_lines(text: str) -> list:
@@ -87,27 +107,39 @@ def main(argv=None) -> int:
     p.add_argument("--rehearse", action="store_true",
                    help="run the plan on this CPU at small sizes to prove every step runs (figures mean nothing)")
     p.add_argument("--step-timeout", type=float, default=240.0, help="seconds before a step is abandoned")
+    p.add_argument("--deadline", type=float, help="seconds for the whole plan (default: no limit but each step's)")
+    p.add_argument("--only", help="comma-separated step names to run (default: all)")
+    p.add_argument("--skip", help="comma-separated step names to leave out")
     args = p.parse_args(argv)
+    new_tokens = args.new_tokens or (8 if args.rehearse else 64)
+    plan = chosen(steps(args.model, new_tokens, args.rehearse), args.only, args.skip)
+    if not plan:
+        raise UserError("--only/--skip left no step to run")
     import torch
 
     if not torch.cuda.is_available() and not args.rehearse:
         print("needs a CUDA GPU")
         return 2
-    new_tokens = args.new_tokens or (8 if args.rehearse else 64)
     out = Path(args.out or ("bench-out/gpu-rehearsal.json" if args.rehearse else f"results/gpu-{time.strftime('%Y-%m-%d')}.json"))
     device = "cpu (rehearsal: the figures mean nothing)" if args.rehearse else torch.cuda.get_device_name(0)
     began = time.perf_counter()
     figures = {"device": device, "model": args.model, "new_tokens": new_tokens, "steps": []}
-    with tempfile.TemporaryDirectory() as scratch:
-        for name, step_argv in steps(args.model, new_tokens, args.rehearse):
-            figures["steps"].append(run_step(name, step_argv, Path(scratch), args.step_timeout))
-    figures["seconds"] = time.perf_counter() - began
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=1))
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, step_argv in plan:
+            left = args.deadline - (time.perf_counter() - began) if args.deadline is not None else args.step_timeout
+            if left < MIN_STEP_SECONDS:
+                print(f"[gpu_figures] {name}: skipped, {left:.0f} s of the deadline left", flush=True)
+                figures["steps"].append({"name": name, "command": step_argv, "exit": "skipped (deadline)",
+                                         "seconds": 0.0, "result": [], "tail": ""})
+            else:
+                figures["steps"].append(run_step(name, step_argv, Path(scratch), min(left, args.step_timeout)))
+            figures["seconds"] = time.perf_counter() - began
+            out.write_text(json.dumps(figures, indent=1))  # after every step: a stopped call keeps what ran
     failed = [s["name"] for s in figures["steps"] if s["exit"] != 0]
     print(f"wrote {out} in {figures['seconds']:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -59,3 +59,31 @@ def test_the_rehearsal_runs_every_step(tmp_path):
     assert all(s["exit"] == 0 for s in figures["steps"])
     benches = [s for s in figures["steps"] if s["command"][0] == "bench.bench"]
     assert benches and all(s["result"] for s in benches)
+
+
+def test_only_and_skip_split_the_plan_between_calls():
+    plan = gpu_figures.steps("m", 64)
+    names = [n for n, _ in plan]
+    first = gpu_figures.chosen(plan, "link floor,graph == eager tokens", None)
+    rest = gpu_figures.chosen(plan, None, "link floor,graph == eager tokens")
+    assert [n for n, _ in first] == ["link floor", "graph == eager tokens"]
+    assert sorted(n for n, _ in first + rest) == sorted(names)
+    assert names[1] == "kv host greedy"  # the product's regime first, so a short lease measures it
+    with pytest.raises(gpu_figures.UserError, match="no step named 'kv x'; the steps are link floor"):
+        gpu_figures.chosen(plan, "kv x", None)
+
+
+def test_a_spent_deadline_skips_steps_and_still_writes_the_json(tmp_path):
+    out = tmp_path / "x.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--deadline", "0", "--only",
+                           "link floor,kv host greedy", "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1 and "failed: link floor, kv host greedy" in done.stdout, done.stdout + done.stderr
+    steps = json.loads(out.read_text())["steps"]
+    assert [(s["name"], s["exit"]) for s in steps] == [("link floor", "skipped (deadline)"),
+                                                       ("kv host greedy", "skipped (deadline)")]
+
+
+def test_a_bad_step_name_is_one_line():
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--only", "nope"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1 and "no step named 'nope'" in done.stderr
