@@ -3,7 +3,7 @@ output identical to the resident cache for every engine (CPU: the "device" is th
 import pytest
 import torch
 
-from triforce.offload import OffloadedCache, full_cache_factory
+from triforce.offload import OffloadedCache, full_cache_factory, graphed
 from triforce.speculative.graphs import GraphedModel, StaticView, enable_cuda_graphs
 from triforce.offload.planner import GiB, Request, plan, shape_request
 from triforce.speculative import GenerationConfig, Models
@@ -289,19 +289,54 @@ def test_static_view_computes_what_the_cache_does(pair):
 
 
 @pytest.mark.parametrize("mode", ["autoregressive", "speculative", "retrieval", "triforce"])
-@pytest.mark.parametrize("offloaded", [False, True])
-def test_graph_path_gives_the_same_tokens(pair, mode, offloaded):
-    """Every level with a resident cache runs the static view (the full level too, unless offloaded):
-    the same tokens and acceptance as the caches' own path, and the retrieval level, scored with
-    the queries the static full pass kept, rebuilt alike."""
+@pytest.mark.parametrize("offloaded,onchip", [(False, 0), (True, 0), (True, 1)])
+def test_graph_path_gives_the_same_tokens(pair, mode, offloaded, onchip, monkeypatch):
+    """Every level runs its static view, the offloaded full level too (offload/graphed.py): the same
+    tokens and acceptance as the caches' own path, and the retrieval level, scored with the queries
+    the static full pass kept, rebuilt alike. Buckets of 16 tokens: the offloaded passes cross
+    several spans, each a view of its own."""
+    monkeypatch.setattr(graphed, "BUCKET", 16)
     target, drafter = pair
     models = Models(target, drafter if mode in ("speculative", "triforce") else None)
     ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(8)).tolist()
-    factory = full_cache_factory("cpu", CFG.prefill_chunk) if offloaded else None
+    factory = full_cache_factory("cpu", CFG.prefill_chunk, onchip_layers=onchip) if offloaded else None
     ref, ref_gen, _ = run(models, mode, ids, CFG, factory)
     out, gen, wrapped = run(models, mode, ids, CFG, factory, graphs=True)
     assert out == ref and dict(gen.stats.accepted) == dict(ref_gen.stats.accepted)
     assert gen.stats.rebuilds == ref_gen.stats.rebuilds
     levels = [lvl for lvl in (gen.drafter, gen.middle, gen.full) if isinstance(lvl.model if lvl else None, GraphedModel)]
-    expected = {"autoregressive": 1, "speculative": 2, "retrieval": 2, "triforce": 3}[mode] - offloaded
+    expected = {"autoregressive": 1, "speculative": 2, "retrieval": 2, "triforce": 3}[mode]
     assert len(wrapped) == len(levels) == expected and all(w.replays > 0 for w in wrapped)
+    if offloaded:
+        spans = sorted({view.span for view in gen.full.model.views.values() if isinstance(view, graphed.OffloadedView)})
+        assert len(spans) >= 2 and all(s % 16 == 0 or s == gen.full.cache.capacity for s in spans), spans
+
+
+def test_a_graphed_offloaded_pass_moves_whole_buckets(pair, monkeypatch):
+    """Autoregressive decoding through the offloaded view: every pass brings each offloaded layer's
+    bucket of tokens and sends its one new token back, counted where the copies are issued."""
+    monkeypatch.setattr(graphed, "BUCKET", 16)
+    target, _ = pair
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref, _, _ = run(Models(target, None), "autoregressive", ids, CFG)
+    factory = full_cache_factory("cpu", CFG.prefill_chunk, onchip_layers=1, prefetch_next=False)
+    out, gen, _ = run(Models(target, None), "autoregressive", ids, CFG, factory, graphs=True)
+    assert out == ref
+    token, off = 2 * 2 * 8 * 8, 3  # K and V, 2 KV heads, head_dim 8, float64; layers 1-3 offloaded
+    spans = [min(gen.full.cache.capacity, -(-(len(ids) + i + 1) // 16) * 16) for i in range(CFG.max_new_tokens - 1)]
+    assert gen.stats.bytes_moved == sum(off * token * s + off * token for s in spans)
+
+
+def test_an_offloaded_pass_that_cannot_be_captured_runs_eagerly(pair, monkeypatch, capsys):
+    """A capture that raises (a driver that cannot capture the copies, say) leaves that pass and every
+    later one to the eager path, with one warning, and the same tokens."""
+    target, _ = pair
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref, _, _ = run(Models(target, None), "autoregressive", ids, CFG)
+
+    def refuse(self, T):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(graphed.OffloadedView, "begin", refuse)
+    out, gen, wrapped = run(Models(target, None), "autoregressive", ids, CFG, full_cache_factory("cpu", 24), graphs=True)
+    assert out == ref and wrapped[0].offload_failure.endswith("operation not permitted when stream is capturing")
+    assert capsys.readouterr().err.count("warning: the offloaded cache's passes run eagerly") == 1

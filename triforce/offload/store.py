@@ -63,6 +63,12 @@ class OffloadedCache:
         self.prefetch_next = cuda if prefetch_next is None else prefetch_next
         self.length = 0
         self.queries: list[torch.Tensor | None] = [None] * L
+        # graphed passes (graphed.py): slots known finite (written or zeroed), the last pass's new
+        # tokens on their way back to the store, its pinned staging per width, and who ran last
+        self._finite = 0
+        self._fresh: tuple | None = None
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._graphed = False
 
     @property
     def capacity(self) -> int:
@@ -79,10 +85,12 @@ class OffloadedCache:
 
     # ------------------------------------------------------------------ model protocol
     def begin(self, T: int) -> torch.Tensor:
-        if self.length + T > self.max_len:
-            raise UserError(f"sequence of {self.length + T} tokens exceeds the cache's {self.max_len}; "
-                            f"lower GenerationConfig.max_new_tokens or raise Settings.context")
+        self._check_room(T)
+        self.flush_fresh()
         if self.streamer:
+            if self._graphed:
+                self.streamer.take_back()
+                self._graphed = False
             self.streamer.resolve()
             self.streamer.begin_pass(self.counters.start_pass(T, self.length))
             self.streamer.fetch(0, self.length)  # the first offloaded layer; the rest chain in attend
@@ -109,6 +117,7 @@ class OffloadedCache:
 
     def end(self, T: int) -> None:
         self.length += T
+        self._finite = max(self._finite, self.length)
         if self.streamer:
             self.streamer.end_pass()
             if self.prefetch_next:
@@ -129,6 +138,7 @@ class OffloadedCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put K, V (Hkv, n, D) into one layer's slots [start, start + n); the length is unchanged."""
         kb, vb, _ = self._at_rest(layer)
+        self._finite = max(self._finite, start + k.shape[1])
         if self.streamer:
             self.streamer.truncate(min(start, self.length))  # staged copies of these slots are stale now
         kb[start:start + k.shape[1]] = k.transpose(0, 1)
@@ -139,6 +149,71 @@ class OffloadedCache:
         if length > self.max_len:
             raise ValueError(f"{length} tokens do not fit the cache's {self.max_len}")
         self.length = length
+        self._finite = max(self._finite, length)
+
+    # ------------------------------------------------------------------ graphed passes (graphed.py)
+    def _check_room(self, T: int) -> None:
+        if self.length + T > self.max_len:
+            raise UserError(f"sequence of {self.length + T} tokens exceeds the cache's {self.max_len}; "
+                            f"lower GenerationConfig.max_new_tokens or raise Settings.context")
+
+    def graph_begin(self, T: int) -> int:
+        """Before a graphed pass of T tokens: the store up to date, the slots handed over; returns the
+        pass's first slot (the length)."""
+        self._check_room(T)
+        self.flush_fresh()
+        if self.streamer:
+            self.streamer.hand_over()
+        self._graphed = True
+        self.counters.start_pass(T, self.length)
+        return self.length
+
+    def graph_span(self, end: int, bucket: int) -> int:
+        """The tokens every offloaded layer brings in a graphed pass that ends at `end`: `end` rounded
+        up to a bucket (one capture serves a bucket of lengths), at most the capacity. The store is made
+        finite up to it, zeroed where nothing was written: a masked slot gets no weight, but its value
+        is still multiplied by that zero, and 0 * NaN is NaN."""
+        span = min(self.max_len, -(-end // bucket) * bucket)
+        written = max(self._finite, self.length)
+        if written < span:
+            self.store.k[:, written:span].zero_()  # past every copy in flight: those read below the length
+            self.store.v[:, written:span].zero_()
+            self._finite = span
+        self.counters.add_h2d(2 * span * self.store.token_bytes * self.store.k.shape[0])
+        return span
+
+    def graph_end(self, T: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
+        """After a graphed pass: the new tokens' K/V of the offloaded layers (layers, T, Hkv, D), which
+        the graph left in device buffers (it copies to fixed addresses only), start back to the store
+        with one device->host copy into pinned staging; flush_fresh moves them into place before
+        anything next reads the store."""
+        if self.streamer:
+            stage = self._staging.get(T)
+            if stage is None:
+                pin = self.device.type == "cuda"
+                stage = self._staging[T] = tuple(torch.empty(fresh_k.shape, dtype=fresh_k.dtype, pin_memory=pin)
+                                                 for _ in range(2))
+            stage[0].copy_(fresh_k, non_blocking=True)
+            stage[1].copy_(fresh_v, non_blocking=True)
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+            self._fresh = (self.length, T, stage, done)
+            self.counters.add_d2h(2 * T * self.store.token_bytes * self.store.k.shape[0])
+        self.length += T
+        self._finite = max(self._finite, self.length)
+
+    def flush_fresh(self) -> None:
+        """The last graphed pass's new tokens into the store (a host copy of T tokens a layer)."""
+        if self._fresh is None:
+            return
+        start, T, (k, v), done = self._fresh
+        self._fresh = None
+        if done is not None and not done.query():  # landed long ago in practice: the host has read the pass's tokens
+            done.synchronize()
+        self.store.k[:, start:start + T] = k
+        self.store.v[:, start:start + T] = v
 
     def timings(self) -> dict:
         """Counter summary, with every outstanding CUDA timing event resolved."""
@@ -152,6 +227,7 @@ class OffloadedCache:
         j = layer - self.onchip
         if j < 0:
             return self.resident_k[layer], self.resident_v[layer], False
+        self.flush_fresh()
         self.streamer.sync_host()
         return self.store.k[j], self.store.v[j], True
 
@@ -179,6 +255,7 @@ class OffloadedCache:
         """K, V (layers, Hkv, end-start, D) of tokens [start, end)."""
         ks = [self.resident_k[:, start:end].transpose(1, 2)]
         vs = [self.resident_v[:, start:end].transpose(1, 2)]
+        self.flush_fresh()
         if self.streamer:
             self.streamer.sync_host()
             ks.append(self._to_device(self.store.k[:, start:end].transpose(1, 2).contiguous(), True))

@@ -113,6 +113,23 @@ class Streamer:
         if self.cuda:
             self.freed[j % 2].record(torch.cuda.current_stream(self.device))
 
+    def slot(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staging slot s's K and V buffers (max_len, Hkv, D): a graphed pass (graphed.py) fills them itself."""
+        return self.k[s], self.v[s]
+
+    def hand_over(self) -> None:
+        """A graphed pass is about to use the slots and read the store: it runs after every copy
+        issued so far (a write-back still landing in the store included), and the slots' contents
+        are forgotten, so an eager pass after it refetches."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.held = [None, None]
+
+    def take_back(self) -> None:
+        """The first eager pass after graphed ones: its copies wait for the graphs' work on the slots."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def truncate(self, length: int) -> None:
         """After a rollback: staged tokens beyond `length` are no longer valid."""
         self.held = [None if h is None else (h[0], min(h[1], length)) for h in self.held]

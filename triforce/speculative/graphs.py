@@ -7,8 +7,8 @@ protocol over the same buffers with shapes that never change: the new tokens' sl
 live in device tensors and attention spans the whole capacity under a mask, so one capture per
 (cache, tokens per call, last_only) replays at any length. Cache bookkeeping (begin, which may
 evict, and end) stays eager around the replay. For a full cache the view also keeps the rotated
-queries in static buffers, which the retrieval level scores chunks with. An offloaded full cache
-streams KV with copies and events per pass and stays eager.
+queries in static buffers, which the retrieval level scores chunks with. An offloaded full cache's
+pass is captured with its copies (offload/graphed.py: one graph per width and bucket of lengths).
 
     enable_cuda_graphs(generator)   # after constructing it
 
@@ -26,6 +26,7 @@ rounds.RoundGraph, compiled or captured whole.
 """
 from __future__ import annotations
 
+import sys
 import types
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ import torch.nn.functional as F
 from triforce.model import cpu_kernels, key_tiles
 from triforce.model.attention import attend_masked
 from triforce.model.eager_steps import watched
+
+from triforce.offload.store import OffloadedCache
 
 from .caches import FullCache
 
@@ -125,6 +128,7 @@ class GraphedModel:
         self.replays = 0
         self.captures = 0  # Level.run leaves a pass that captured (or compiled) out of the chooser's timings
         self.calls: dict[tuple, int] = {}  # per (cache, width, last_only): calls so far, until it is hot
+        self.offload_failure: str | None = None  # why an offloaded pass could not be captured, once it could not
 
     def __getattr__(self, name):  # embed, rotary, kv_shape, ... of the wrapped model
         return getattr(self.__dict__["model"], name)
@@ -134,6 +138,19 @@ class GraphedModel:
         graphs = tokens.is_cuda and not self.eager_static
         if T > self.max_tokens or not (graphs or self.eager_static) or watched(self.model):
             return self.model(tokens, cache, last_only)
+        if isinstance(cache, OffloadedCache):
+            # captured whole with its copies (offload/graphed.py), never compiled
+            if self.compiled or self.offload_failure is not None:
+                return self.model(tokens, cache, last_only)
+            from triforce.offload.graphed import graphed_pass
+
+            try:
+                return graphed_pass(self, tokens, cache, last_only)
+            except RuntimeError as e:  # a CUDA build or driver that cannot capture the copies: eager from here on
+                self.offload_failure = f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"warning: the offloaded cache's passes run eagerly: capturing one failed ({self.offload_failure})",
+                      file=sys.stderr)
+                return self.model(tokens, cache, last_only)
         key = (id(cache), T, last_only)
         if self.compiled and key not in self.views:  # compiling costs seconds; capturing, milliseconds
             self.calls[key] = self.calls.get(key, 0) + 1
@@ -247,7 +264,7 @@ def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = F
                        options: dict | None = None) -> list[GraphedModel]:
     """Wrap the models of the levels with a resident cache; returns the wrappers (their `replays` count)."""
     wrapped = []
-    full = generator.full if isinstance(generator.full.cache, FullCache) else None
+    full = generator.full if isinstance(generator.full.cache, (FullCache, OffloadedCache)) else None
     for level in (generator.drafter, generator.middle, full):
         if level is not None:
             # the full level graphs its verification passes only: a chat turn of a few tokens is
