@@ -27,8 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.gpu_stage import staged_book
 from triforce.cli.common import run_cli
 from triforce.model.errors import UserError
+from triforce.runtime.defaults import MODELS_DIR
 
 OURS = "autoregressive,speculative,retrieval,triforce,triforce-host"  # triforce: device rounds on a GPU
 MODEL = "models/smollm2-135m"
@@ -71,13 +73,19 @@ def run_step(name: str, argv: list[str], scratch: Path, timeout: float) -> dict:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         code, stdout, stderr = done.returncode, done.stdout, done.stderr
-    except subprocess.TimeoutExpired as e:
-        code, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes, text=True or not
+        code, stdout, stderr = "timeout", as_text(e.stdout), as_text(e.stderr)
     seconds = time.perf_counter() - start
     result = json.loads(out_file.read_text()) if out_file.exists() else json_lines(stdout)
     print(f"[gpu_figures] {name}: exit {code} in {seconds:.0f} s", flush=True)
     return {"name": name, "command": command[2:], "exit": code, "seconds": seconds, "result": result,
             "tail": (stdout + stderr)[-(2000 if code == 0 else 8000):]}
+
+
+def as_text(out) -> str:
+    """A child's output as text: subprocess hands a timed-out child's output over as bytes (the first
+    H200 run lost every later step to a TypeError here)."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def chosen(plan: list[tuple[str, list[str]]], only: str | None, skip: str | None) -> list[tuple[str, list[str]]]:
@@ -106,7 +114,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_figures", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="the JSON (default results/gpu-<date>.json; rehearsed bench-out/gpu-rehearsal.json)")
     p.add_argument("--model", default=MODEL)
-    p.add_argument("--prompt-file", help="the bench steps' book (default the bench's; 32K tokens need a longer one)")
+    p.add_argument("--prompt-file", help="the bench steps' book (default: the one `bench.gpu_stage pack` staged, "
+                   "else the bench's own, whose 18.9K tokens skip the 32K contexts)")
     p.add_argument("--new-tokens", type=int, help="tokens each run decodes (default 64; rehearsed 8)")
     p.add_argument("--rehearse", action="store_true",
                    help="run the plan on this CPU at small sizes to prove every step runs (figures mean nothing)")
@@ -116,7 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip", help="comma-separated step names to leave out")
     args = p.parse_args(argv)
     new_tokens = args.new_tokens or (8 if args.rehearse else 64)
-    plan = chosen(steps(args.model, new_tokens, args.rehearse, args.prompt_file), args.only, args.skip)
+    staged = staged_book(MODELS_DIR)
+    prompt_file = args.prompt_file or (str(staged) if staged.is_file() else None)
+    plan = chosen(steps(args.model, new_tokens, args.rehearse, prompt_file), args.only, args.skip)
     if not plan:
         raise UserError("--only/--skip left no step to run")
     import torch

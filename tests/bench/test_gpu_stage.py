@@ -41,10 +41,13 @@ def test_pack_then_unpack_prepares_the_model(tmp_path):
     models = tmp_path / "models"
     (models / ".cache").mkdir(parents=True)
     (models / ".cache" / GGUF.name).symlink_to(GGUF)
-    packed = stage("pack", "--models", models)
+    book = tmp_path / "book.txt"
+    book.write_text("It was a dark and stormy night. " * 1000)
+    packed = stage("pack", "--models", models, "--book", book)
     assert packed.returncode == 0, packed.stderr
     for half in ("a", "b"):
         assert sum(f.stat().st_size for f in (models / ".stage" / half).iterdir()) < 56 * 2**20
+    assert (models / ".stage" / "b" / "book.txt").read_text() == book.read_text()
     there = tmp_path / "there"
     shutil.copytree(models / ".stage", there / ".stage")
     shutil.copytree(models / ".stage" / "a", tmp_path / "stage")

@@ -160,7 +160,10 @@ def test_device_rounds_on_cuda_read_once_per_round(models, graphs):
             torch.cuda.set_sync_debug_mode("default")
     assert out[:CFG.max_new_tokens] == reference
     if not graphs:
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        # each synchronizing call warns "called a synchronizing CUDA operation"; turning the mode on warns
+        # once that it is a prototype ("... does not yet detect all synchronizing operations"), which the
+        # first H200 run counted as an 18th sync in 17 rounds
+        syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
         sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})  # where each sync was called from
         assert waits.total == rounds and len(syncs) == rounds, (dict(waits.by_site), sites)
 
