@@ -32,7 +32,8 @@ from triforce.cli.common import run_cli
 from triforce.model.errors import UserError
 from triforce.runtime.defaults import MODELS_DIR
 
-OURS = "autoregressive,speculative,retrieval,triforce,triforce-host"  # triforce: device rounds on a GPU
+# triforce: device rounds on a GPU; adaptive: the default mode, choosing among the others as it measures
+OURS = "autoregressive,speculative,retrieval,triforce,triforce-host,adaptive"
 MODEL = "models/smollm2-135m"
 
 
@@ -61,6 +62,15 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     out.append(("float32 greedy equality (kv host)",
                 [*bench, "--contexts", contexts.split(",")[0], "--offload", "host", "--dtype", "float32", "--systems", OURS]))
     out.append(("graph == eager tokens", ["pytest", "-q", "tests/gpu"]))
+    # last: torch.compile on CUDA costs tens of seconds a shape. Fewer kernels a pass (issue 22 item 5):
+    # plain decoding's pass with the KV on the GPU, and triforce's drafter and middle levels with the KV
+    # in host memory (the full level's offloaded pass is captured, never compiled)
+    first = contexts.split(",")[0]
+    out.append(("compiled, kv gpu greedy", [*bench, "--contexts", first, "--offload", "none", "--dtype", "bfloat16",
+                                            "--systems", "autoregressive,autoregressive-compiled", "--accept-ties"]))
+    out.append(("compiled triforce, kv host greedy",
+                [*bench, "--contexts", first, "--offload", "host", "--dtype", "bfloat16",
+                 "--systems", "autoregressive,triforce,triforce-compiled", "--accept-ties"]))
     return out
 
 

@@ -13,14 +13,15 @@ from triforce.runtime.report import level_ms_per_pass, link_floor, pinned_h2d_ba
 from triforce.speculative.engine import synchronize
 
 OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems, measured by default
-# ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding with --compile
-VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled")
+# ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding and triforce with --compile
+VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "triforce-compiled")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 "triforce-device": ("triforce", {"device_rounds": True}, ["--no-adaptive", "--device-rounds"]),
                 "triforce-host": ("triforce", {"device_rounds": False}, ["--no-adaptive", "--no-device-rounds"]),
-                "autoregressive-compiled": ("autoregressive", {"compile": True}, ["--no-adaptive", "--compile"])}
+                "autoregressive-compiled": ("autoregressive", {"compile": True}, ["--no-adaptive", "--compile"]),
+                "triforce-compiled": ("triforce", {"compile": True}, ["--no-adaptive", "--compile"])}
 
 
 def engine_mode(system: str) -> str:

@@ -22,13 +22,16 @@ def test_the_plan_covers_the_figures():
     plan = dict(gpu_figures.steps("m", 64))
     commands = [" ".join(argv) for argv in plan.values()]
     for offload in ("none", "host"):
-        runs = [c for c in commands if f"--offload {offload}" in c and "bfloat16" in c]
+        runs = [c for c in commands if f"--offload {offload}" in c and "bfloat16" in c and "compiled" not in c]
         assert len(runs) == 2 and sum("--temperature" in c for c in runs) == 1
         assert all("4096,32768" in c and gpu_figures.OURS in c for c in runs)
     assert any("hf-static" in c for c in commands) and any("hf-offloaded" in c for c in commands)
     assert any(c.startswith("bench.linkbench") for c in commands)
     assert any("float32" in c and "--offload host" in c for c in commands)
     assert plan["graph == eager tokens"] == ["pytest", "-q", "tests/gpu"]
+    assert "autoregressive,autoregressive-compiled" in " ".join(plan["compiled, kv gpu greedy"])
+    assert "triforce,triforce-compiled" in " ".join(plan["compiled triforce, kv host greedy"])
+    assert [n for n in plan][-2:] == ["compiled, kv gpu greedy", "compiled triforce, kv host greedy"]  # slow: last
 
 
 def test_a_rehearsal_keeps_the_plan_and_shrinks_it():
@@ -97,5 +100,5 @@ def test_a_timed_out_steps_output_is_text():
 def test_a_staged_book_reaches_every_bench_step():
     plan = gpu_figures.steps("m", 64, prompt_file="models/.stage/b/book.txt")
     benches = [argv for _, argv in plan if argv[0] == "bench.bench"]
-    assert len(benches) == 5 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
+    assert len(benches) == 7 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
     assert not any("--prompt-file" in argv for _, argv in gpu_figures.steps("m", 64))

@@ -86,6 +86,25 @@ def test_captured_offloaded_passes_give_the_same_tokens(models, mode, onchip, mo
 
 
 @cuda
+def test_compiled_passes_capture_the_offloaded_pass_uncompiled(models):
+    """--compile on a GPU: the offloaded full level's passes are captured as they are (their copies
+    and streams do not trace), not run eagerly."""
+    from triforce.offload import graphed
+    from triforce.speculative.graphs import enable_compiled_passes
+
+    target, _ = models
+    factory = full_cache_factory("cuda", CFG.prefill_chunk, chunk_tokens=7)
+    ref, _, _ = run(Models(target, None), "autoregressive", factory)
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(3)).tolist()
+    gen = Generator(Models(target, None), CFG, "autoregressive", len(ids) + CFG.max_new_tokens, full_cache_factory=factory)
+    (full,) = enable_compiled_passes(gen)
+    gen.prefill(ids)
+    assert gen.generate() == ref
+    captured = [c for c in full.captured.values() if isinstance(c.view, graphed.OffloadedView)]
+    assert captured and all(c.graph is not None for c in captured) and full.offload_failure is None
+
+
+@cuda
 @flash
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_flash_matches_sdpa_within_bf16(T):

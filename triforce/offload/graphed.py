@@ -31,6 +31,8 @@ class OffloadedView(StaticView):
     """The model protocol over an OffloadedCache's store and slots for passes of T tokens that end
     within `span` slots."""
 
+    compilable = False  # its streams and events are captured, not traced
+
     def __init__(self, cache, T: int, span: int):
         self.cache, self.T, self.span = cache, T, span
         device, shape = cache.device, cache.shape

@@ -52,6 +52,8 @@ HOT_AFTER = 3
 class StaticView:
     """The model protocol over a SlotCache's K/V buffers, with static shapes."""
 
+    compilable = True  # a pass over it traces whole (an offloaded view's copies and streams do not)
+
     def __init__(self, cache, T: int):
         self.cache, self.T = cache, T
         device = cache.k.device
@@ -139,8 +141,9 @@ class GraphedModel:
         if T > self.max_tokens or not (graphs or self.eager_static) or watched(self.model):
             return self.model(tokens, cache, last_only)
         if isinstance(cache, OffloadedCache):
-            # captured whole with its copies (offload/graphed.py), never compiled
-            if self.compiled or self.offload_failure is not None:
+            # captured whole with its copies (offload/graphed.py), never compiled: under --compile a
+            # CUDA pass is captured as it is and a CPU pass runs the cache's own eager path
+            if (self.compiled and not graphs) or self.offload_failure is not None:
                 return self.model(tokens, cache, last_only)
             from triforce.offload.graphed import graphed_pass
 
@@ -193,7 +196,7 @@ class GraphedModel:
 
         def forward(tokens):
             return model(tokens, view, last_only)
-        return compile_static(forward, self.options) if self.compiled else forward
+        return compile_static(forward, self.options) if self.compiled and view.compilable else forward
 
     def _capture(self, c: _Captured, last_only: bool) -> None:
         self.captures += 1
