@@ -322,6 +322,8 @@ def test_a_graphed_offloaded_pass_moves_whole_buckets(pair, monkeypatch):
     factory = full_cache_factory("cpu", CFG.prefill_chunk, onchip_layers=1, prefetch_next=False)
     out, gen, _ = run(Models(target, None), "autoregressive", ids, CFG, factory, graphs=True)
     assert out == ref
+    spans = {v.span for v in gen.full.model.views.values()}  # older buckets' views were dropped
+    assert len(spans) <= 2 and max(spans) - min(spans) <= 16 and len(gen.full.model.captured) <= 2, spans
     token, off = 2 * 2 * 8 * 8, 3  # K and V, 2 KV heads, head_dim 8, float64; layers 1-3 offloaded
     spans = [min(gen.full.cache.capacity, -(-(len(ids) + i + 1) // 16) * 16) for i in range(CFG.max_new_tokens - 1)]
     assert gen.stats.bytes_moved == sum(off * token * s + off * token for s in spans)
