@@ -298,10 +298,13 @@ def main(argv=None) -> int:
               f"repeat after a warm-up; systems {', '.join(plan.systems)}; {plan.run.threads} torch thread(s)",
               file=sys.stderr)
     rows, session = [], None
+    hw = hardware()
     for session, new_rows in bench_groups(plan, read_text(plan.prompt_file or BOOK)):
         rows += new_rows
+        if plan.out:  # each context as it finishes: a run stopped at a time limit keeps what it measured
+            partial = report(plan, session.run, session.draft, rows, hw, hardware_line(hw, session.run.device))
+            Path(plan.out).write_text(json.dumps({**partial, "partial": "contexts measured so far"}, indent=2))
     run = session.run  # as the last session resolved it (device, lower weights)
-    hw = hardware()
     line = hardware_line(hw, run.device)
     out_console = wide(Console())
     out_console.print(f"{Path(run.model).name}, {run.dtype}, {plan.new_tokens} new tokens; {line}", width=100)
@@ -313,7 +316,8 @@ def main(argv=None) -> int:
 
 
 def bench_groups(plan: BenchPlan, text: str):
-    """(session, rows) for each group of contexts sharing a RoPE scaling, the models loaded per group."""
+    """(session, rows) for each context, the models loaded once per group of contexts sharing a RoPE
+    scaling."""
     groups = rope_groups(plan)
     session = None
     for scaling, contexts in groups:
@@ -326,17 +330,19 @@ def bench_groups(plan: BenchPlan, text: str):
             session.console.print(f"[bold]contexts {', '.join(map(str, contexts))}[/]: RoPE scaling "
                                   f"{scaling or 'none'} (models loaded for these contexts)")
         hf, hf_skip = transformers_peers(session, plan)
-        ids, rows = session.prompt_ids, []
+        ids, measured = session.prompt_ids, False
         for context in contexts:
             if context > len(ids):
                 session.console.print(f"[yellow]skip:[/] the book has only {len(ids)} tokens (< {context})")
                 continue
             new_rows, _ = bench_context(session, plan, ids, context, hf, hf_skip)
-            rows += new_rows
             if len(plan.contexts) > 1:  # each context's table as it finishes; with one, the final table says it all
                 print_table(wide(session.console), new_rows)
+            measured = True
+            yield session, new_rows
+        if not measured:  # every context skipped: the session still reports what it resolved
+            yield session, []
         hf = None
-        yield session, rows
 
 
 def transformers_peers(session, plan: BenchPlan):

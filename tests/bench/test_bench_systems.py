@@ -269,3 +269,28 @@ def test_one_context_gets_a_bar_chart_when_asked(tmp_path, monkeypatch):
         assert message.startswith("no plot: matplotlib is not installed")
         return
     assert (tmp_path / "bars.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_json_holds_each_context_as_it_finishes(tiny, tmp_path, monkeypatch):
+    """A bench stopped at a time limit (a lent GPU's lease) keeps the contexts it measured: --out is
+    rewritten after each, marked partial until the run ends."""
+    target, book = tiny
+    out, real, seen = tmp_path / "b.json", bench.bench_context, []
+
+    def measure_then_stop(session, plan, ids, context, *rest):
+        if seen:  # the second context: the JSON already holds the first
+            written = json.loads(out.read_text())
+            assert written["partial"] and {r["context"] for r in written["rows"]} == {seen[0]}
+            raise KeyboardInterrupt("stopped at the time limit")
+        seen.append(context)
+        return real(session, plan, ids, context, *rest)
+
+    monkeypatch.setattr(bench, "bench_context", measure_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(_flags(target, "--prompt-file", str(book), "--contexts", f"{CONTEXT // 2},{CONTEXT}",
+                          "--new-tokens", str(NEW), "--systems", "autoregressive", "--out", str(out)))
+    assert seen == [CONTEXT // 2]
+    monkeypatch.setattr(bench, "bench_context", real)
+    assert bench.main(_flags(target, "--prompt-file", str(book), "--contexts", str(CONTEXT), "--new-tokens", str(NEW),
+                             "--systems", "autoregressive", "--out", str(out))) == 0
+    assert "partial" not in json.loads(out.read_text())  # a finished run's JSON is whole
