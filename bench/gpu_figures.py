@@ -6,7 +6,8 @@ SmolLM2-135M (models/smollm2-135m) at 4K and 32K tokens, bfloat16, with the KV o
 memory (--offload host), all four modes greedy and sampled, beside transformers' static and offloaded
 caches (bench.bench, which also checks greedy tokens against our autoregressive engine); the pinned
 host-to-device link floor (bench.linkbench / bench.measure); float32 greedy equality with the KV in
-host memory (bench.bench fails on a mismatch); CUDA-graph tokens equal to eager ones (tests/gpu).
+host memory (bench.bench fails on a mismatch); CUDA-graph tokens equal to eager ones (tests/gpu); last,
+compiled passes beside uncompiled ones and the kernels per layer inside each level's graph.
 Each step runs the existing tool as its own process, so one failing step leaves the others' figures;
 the JSON holds every step's command, exit status, seconds and results, and is rewritten after every
 step, so a call stopped at its limit still returns what was done. A lent machine's time is short:
@@ -71,6 +72,9 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     out.append(("compiled triforce, kv host greedy",
                 [*bench, "--contexts", first, "--offload", "host", "--dtype", "bfloat16",
                  "--systems", "autoregressive,triforce,triforce-compiled", "--accept-ties"]))
+    # CUDA kernels per layer inside each level's captured graph, eager and compiled (random tiny models);
+    # rehearsed eager only (compiling its six passes on a CPU takes minutes and proves no command line)
+    out.append(("kernels per layer", ["bench.kernels", *(["--eager-only"] if rehearse else [])]))
     return out
 
 
