@@ -115,23 +115,14 @@ def graphed_pass(graphed, tokens: torch.Tensor, cache, last_only: bool) -> torch
     start = cache.graph_begin(T)
     span = cache.graph_span(start + T, BUCKET)
     key = (id(cache), T, span)
-    view = graphed.views.get(key)
-    if view is None:
-        view = graphed.views[key] = OffloadedView(cache, T, span)
-        drop_views_below(graphed, cache, span - BUCKET)
+    if key not in graphed.views:
+        # a sequence grows into new buckets and rarely goes back more than one, while each view's
+        # mask and each graph's memory would pile up (a 128K chat: ~128 buckets times every width)
+        graphed.drop_views(lambda k, v: isinstance(v, OffloadedView) and k[0] == id(cache) and v.span < span - BUCKET)
+    view = graphed.view(key, lambda: OffloadedView(cache, T, span))
     view.set(torch.arange(start, start + T, device=view.positions.device), start)
     logits = graphed.run_view(view, tokens, last_only)
     cache.queries = list(view.queries)
     cache.graph_end(T, view.fresh_k, view.fresh_v)
     return logits
 
-
-def drop_views_below(graphed, cache, span: int) -> None:
-    """Forget the views (and their graphs) of `cache` whose span is under `span`: a sequence grows
-    into new buckets and rarely goes back more than one, while each view's mask and each graph's
-    memory would otherwise pile up (a 128K chat: ~128 buckets times every pass width)."""
-    for key in [k for k, v in graphed.views.items() if isinstance(v, OffloadedView) and k[0] == id(cache)
-                and v.span < span]:
-        view = graphed.views.pop(key)
-        for last_only in (False, True):
-            graphed.captured.pop((id(view), last_only), None)

@@ -160,15 +160,26 @@ class GraphedModel:
             if self.calls[key] < HOT_AFTER:
                 return self.model(tokens, cache, last_only)
         positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
-        if key not in self.views:
-            self.views[key] = StaticView(cache, T)
-        view = self.views[key]
+        view = self.view(key, lambda: StaticView(cache, T))
         view.set(positions, cache.used)
         logits = self.run_view(view, tokens, last_only)
         if view.queries is not None:
             cache.queries = list(view.queries)
         cache.end(T)
         return logits
+
+    def view(self, key: tuple, make) -> StaticView:
+        """The view kept under `key`, made by make() the first time."""
+        if key not in self.views:
+            self.views[key] = make()
+        return self.views[key]
+
+    def drop_views(self, stale) -> None:
+        """Forget the views that stale(key, view) names, with their graphs (and the graphs' memory)."""
+        for key in [k for k, v in self.views.items() if stale(k, v)]:
+            view = self.views.pop(key)
+            for last_only in (False, True):
+                self.captured.pop((id(view), last_only), None)
 
     def run_view(self, view: StaticView, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
         """The pass over a view already pointed at its slots: a graph replay on CUDA, else the view's
