@@ -27,7 +27,7 @@ def test_the_plan_covers_the_figures():
         assert all("4096,32768" in c and gpu_figures.OURS in c for c in runs)
     assert any("hf-static" in c for c in commands) and any("hf-offloaded" in c for c in commands)
     assert any(c.startswith("bench.linkbench") for c in commands)
-    assert any("float32" in c and "--offload host" in c for c in commands)
+    assert any("float32" in c and "--offload host" in c and "4096,32768" in c for c in commands)
     assert plan["graph == eager tokens"] == ["pytest", "-q", "tests/gpu"]
     assert "autoregressive,autoregressive-compiled" in " ".join(plan["compiled, kv gpu greedy"])
     assert "triforce,triforce-compiled" in " ".join(plan["compiled triforce, kv host greedy"])
