@@ -1,4 +1,5 @@
-"""Every GPU figure of issue 15 with one command (issue 22), aimed at under 10 minutes of device time:
+"""Every GPU figure of issue 15 with one command (issue 22), the most needed first, so that a lease that
+cannot hold the whole plan (15 minutes of device time, each step about 1-3 minutes) still gets them:
 
     python -m bench.gpu_figures --out results/gpu-<date>.json
 
