@@ -252,6 +252,15 @@ def test_the_table_fits_100_columns():
     assert "floor" in text and "MiB mv/t" in text
 
 
+def test_device_rounds_show_the_rounds_time_not_a_catch_up_pass():
+    rows = [r for r in _rows() if r["system"] == "triforce"]
+    rows[0]["ms_per_pass"] = {"draft": 99.3, "draft+middle": 11.6, "verify": 4.5}
+    console = Console(record=True, width=300)
+    bench_report.print_table(console, rows)
+    text = " ".join(console.export_text().split())  # the title wraps
+    assert "r 11.6" in text and "99.3" not in text and "r: ms per drafter->middle round run whole" in text
+
+
 def test_one_context_gets_a_bar_chart_when_asked(tmp_path, monkeypatch):
     rows = [r for r in _rows() if not r.get("skipped")]
     plan = replace(bench.parse_args(["--contexts", "4096"]), out=str(tmp_path / "b.json"))
