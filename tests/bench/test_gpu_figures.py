@@ -34,6 +34,22 @@ def test_the_plan_covers_the_figures():
     assert [n for n in plan][-3:] == ["compiled, kv gpu greedy", "compiled triforce, kv host greedy",
                                       "kernels per layer"]  # compiling on CUDA is slow: last
     assert plan["kernels per layer"] == ["bench.kernels"]
+    # the attention forms need no model: they run beside the link floor, before the model arrives
+    assert plan["attention forms"] == ["bench.sdpa_forms"]
+    assert plan["attention forms llama-3"] == ["bench.sdpa_forms", "--heads", "32,8", "--head-dim", "128"]
+
+
+def test_the_attention_forms_step_writes_its_rows(tmp_path):
+    """Rehearsed on CPU: both forms agree, every shape has a row, and the JSON says the device."""
+    out = tmp_path / "forms.json"
+    done = subprocess.run([sys.executable, "-m", "bench.sdpa_forms", "--device", "cpu", "--repeats", "3",
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())
+    assert figures["device"] == "cpu" and [(r["kind"], r["T"]) for r in figures["rows"]] == [
+        ("decode", 1), ("decode", 7), ("prefill", 64)]
+    assert all(r["max_difference"] < 1e-2 and r["us_shared_heads"] > 0 for r in figures["rows"])
+    assert not any(any(r["kernels_shared_heads"].values()) for r in figures["rows"])  # no CUDA kernel takes CPU tensors
 
 
 def test_a_rehearsal_keeps_the_plan_and_shrinks_it():
@@ -69,11 +85,11 @@ def test_the_rehearsal_runs_every_step(tmp_path):
 def test_only_and_skip_split_the_plan_between_calls():
     plan = gpu_figures.steps("m", 64)
     names = [n for n, _ in plan]
-    first = gpu_figures.chosen(plan, "link floor,graph == eager tokens", None)
-    rest = gpu_figures.chosen(plan, None, "link floor,graph == eager tokens")
-    assert [n for n, _ in first] == ["link floor", "graph == eager tokens"]
+    first = gpu_figures.chosen(plan, gpu_figures.NO_MODEL, None)
+    rest = gpu_figures.chosen(plan, None, gpu_figures.NO_MODEL)
+    assert [n for n, _ in first] == ["link floor", "attention forms", "attention forms llama-3", "graph == eager tokens"]
     assert sorted(n for n, _ in first + rest) == sorted(names)
-    assert names[1] == "kv host greedy"  # the product's regime first, so a short lease measures it
+    assert rest[0][0] == "kv host greedy"  # the product's regime first, so a short lease measures it
     with pytest.raises(gpu_figures.UserError, match="no step named 'kv x'; the steps are link floor"):
         gpu_figures.chosen(plan, "kv x", None)
 

@@ -13,6 +13,7 @@ from triforce.speculative.engine import Generator
 from triforce.model.loader import load_model
 
 from ..conftest import save_tiny
+from ..model.test_attention import reference as written_out
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 flash = pytest.mark.skipif(torch.cuda.is_available() and attention._FLASH is None,
@@ -198,3 +199,27 @@ def test_grouped_attention_on_cuda_matches_float64(S, T):
     ref = attention._attend_grouped(q.double(), keys.double(), values.double())
     got = attention._attend_grouped(q.cuda(), keys.cuda(), values.cuda())
     torch.testing.assert_close(got.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,S", [(1, 4096), (7, 4096), (512, 4096)])
+def test_shared_heads_attention_runs_fused_kernels(T, S, dtype):
+    """The static views' masked attention and a later prefill piece's lower-right causal attention
+    run on fused kernels (the math backend disabled: a fallback raises) and match float64."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    g = torch.Generator().manual_seed(T + S)
+    q = torch.randn(T, 9, 64, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(3, S, 64, generator=g, dtype=torch.float64) for _ in "kv")
+    ref = written_out(q, keys, values)
+    visible = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    mask = attention.aligned_mask(T, S, dtype, "cuda")
+    mask.masked_fill_(~visible.cuda(), float("-inf"))
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    args = (q.to("cuda", dtype), keys.to("cuda", dtype), values.to("cuda", dtype))
+    with sdpa_kernel(fused):
+        for bias in (mask, causal_lower_right(T, S)):
+            got = attention.attend_shared_heads(*args, bias)
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+            torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)

@@ -53,6 +53,34 @@ def test_the_merged_past_and_piece_equals_the_masked_call(T, S, monkeypatch):
     torch.testing.assert_close(split, masked, rtol=0, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("T,S", [(1, 50), (7, 50), (7, 7), (40, 100)])
+def test_shared_heads_attention_takes_a_mask_or_the_lower_right_diagonal(T, S, heads, layout):
+    """The CUDA form (zero-stride views of each KV head, no grouped-heads flag) under the static
+    views' additive mask and under torch's lower-right causal bias (a later prefill piece) computes
+    the written-out attention; over the offloaded store's token-major layer as well."""
+    from torch.nn.attention.bias import causal_lower_right
+    g = torch.Generator().manual_seed(T * 100 + S)
+    Hq, Hkv = heads
+    q = torch.randn(T, Hq, 16, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(Hkv, S, 16, generator=g, dtype=torch.float64) for _ in "kv")
+    if layout == "token-major":  # (S, Hkv, D) storage seen as (Hkv, S, D)
+        keys, values = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (keys, values))
+    mask = attention.aligned_mask(T, S, torch.float64, "cpu")
+    mask.masked_fill_(torch.ones(T, S, dtype=torch.bool).tril(S - T).logical_not(), float("-inf"))
+    want = reference(q, keys, values)
+    for bias in (mask, causal_lower_right(T, S)):
+        got = attention.attend_shared_heads(q, keys, values, bias)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("S", [1, 15, 16, 300])
+def test_aligned_masks_start_each_row_16_elements_apart(S):
+    mask = attention.aligned_mask(7, S, torch.bfloat16, "cpu")
+    assert mask.shape == (7, S) and mask.stride() == (-(-S // 16) * 16, 1) and not mask.any()
+
 needs_kernels = pytest.mark.skipif(not decode_attention.available(),
                                    reason="no avx512_bf16 or no C++ compiler: attention keeps bmm")
 BF16_ULP = 2 ** -7  # one rounding of a bfloat16 result apart, relative

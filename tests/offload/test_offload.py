@@ -342,3 +342,20 @@ def test_an_offloaded_pass_that_cannot_be_captured_runs_eagerly(pair, monkeypatc
     out, gen, wrapped = run(Models(target, None), "autoregressive", ids, CFG, full_cache_factory("cpu", 24), graphs=True)
     assert out == ref and wrapped[0].offload_failure.endswith("operation not permitted when stream is capturing")
     assert capsys.readouterr().err.count("warning: the offloaded cache's passes run eagerly") == 1
+
+
+@pytest.mark.parametrize("piece", [16, 64])
+@pytest.mark.parametrize("onchip", [0, 1])
+def test_a_prefill_streams_each_pieces_past_once(piece, onchip):
+    """Each prefill piece brings every offloaded layer's past to the device once (the two staging
+    slots take turns between 4 or more layers; with 3, the second would stay in its slot), so a prompt of N tokens moves sum(past) = piece * n (n - 1) / 2
+    tokens a layer for n pieces: why a GPU prefills in pieces of 2,048, not 512 (speculative/config.py)."""
+    N = 256
+    cache = OffloadedCache(SHAPE, N, prefill_chunk=piece, onchip_layers=onchip)
+    gen = torch.Generator().manual_seed(piece)
+    for _ in range(N // piece):
+        feed([cache], piece, gen)
+    n, token_bytes = N // piece, 2 * SHAPE.num_kv_heads * SHAPE.head_dim * 8  # K and V, float64
+    offloaded = SHAPE.num_layers - onchip
+    assert cache.counters.h2d == piece * n * (n - 1) // 2 * offloaded * token_bytes
+    assert cache.counters.d2h == N * offloaded * token_bytes  # each new token written back once

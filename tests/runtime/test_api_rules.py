@@ -81,7 +81,7 @@ def test_fallback_boundary(budget, prompt, expected):
 def test_prefill_pieces_follow_the_device_unless_set():
     """The API prefills in the command line's pieces: a whole 4K prompt in one causal piece on CPU."""
     assert GenerationConfig().prefill_piece("cpu") == 4096
-    assert GenerationConfig().prefill_piece(torch.device("cuda", 0)) == 512
+    assert GenerationConfig().prefill_piece(torch.device("cuda", 0)) == 2048
     assert GenerationConfig(prefill_chunk=100).prefill_piece("cpu") == 100
     with pytest.raises(UserError, match="prefill chunk must be >= 1"):
         GenerationConfig(prefill_chunk=0)

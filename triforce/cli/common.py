@@ -95,7 +95,7 @@ def add_engine_args(p: argparse.ArgumentParser, adaptive: bool | None = None) ->
     g.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill forward (default: 4,096 on CPU, where a whole prompt in one "
                         "causal piece prefilled at 1.0-1.8x transformers' rate against 0.45x in pieces of 512; "
-                        "512 on a GPU; GenerationConfig.prefill_piece)")
+                        "2,048 on a GPU; GenerationConfig.prefill_piece)")
 
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from . import decode_attention, decode_attention_f32, key_tiles, layer_ops
 
@@ -171,6 +172,32 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 
+def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+    """Attention of T queries (T, Hq, D) against a layer (Hkv, S, D) under `mask`, an additive (T, S)
+    tensor in q's dtype or a CausalBias, through SDPA's fused kernels: the form for CUDA.
+
+    SDPA asked for grouped heads (enable_gqa) with a mask goes to its math backend wherever the
+    memory-efficient kernel takes no grouped heads (torch 2.9's did not; flash takes no mask): the
+    keys and values written out per query head and the (Hq, T, S) scores in float32, about ten
+    kernels a layer and, for a prefill piece of 4,096 queries at 32K keys, 4.8 GB a layer. Here
+    each KV head is a batch entry whose query heads read it through a zero-stride view: the head
+    counts match, nothing is copied, and the memory-efficient kernel takes the mask (bench/
+    sdpa_forms.py times both forms on a GPU)."""
+    T, Hq, D = q.shape
+    Hkv, S, _ = keys.shape
+    group = Hq // Hkv
+    heads = q.unflatten(1, (Hkv, group)).permute(1, 2, 0, 3)  # (Hkv, group, T, D), a view
+    out = F.scaled_dot_product_attention(heads, keys[:, None].expand(Hkv, group, S, D),
+                                         values[:, None].expand(Hkv, group, S, D), attn_mask=mask)
+    return out.permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+def aligned_mask(T: int, S: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed (T, S) mask whose rows start 16 elements apart: the memory-efficient kernel wants its
+    bias rows aligned and pads an unaligned one, a copy per layer per pass."""
+    return torch.zeros(T, -(-S // 16) * 16, dtype=dtype, device=device)[:, :S]
+
+
 _FUTURE_MASKS: dict[tuple, torch.Tensor] = {}
 
 
@@ -231,6 +258,8 @@ def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> t
     square = T == S
     if not square and _CPU_FLASH is not None and not q.is_cuda:
         return _attend_past_and_piece(q, keys, values)
+    if not square and q.is_cuda:  # the diagonal aligned to the last key: a fused kernel, no mask
+        return attend_shared_heads(q, keys, values, causal_lower_right(T, S))
     visible = None if square else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                          attn_mask=visible, is_causal=square, enable_gqa=True)

@@ -1,6 +1,6 @@
 """The memory tier of the full KV cache: a host store streamed to the device layer by layer.
 
-    factory = full_cache_factory(device="cuda", prefill_chunk=512, onchip_layers="auto")
+    factory = full_cache_factory(device="cuda", prefill_chunk=2048, onchip_layers="auto")
     Generator(models, cfg, mode, max_len, full_cache_factory=factory)
 
 On CUDA the planner sizes the device side from measured free memory before anything is

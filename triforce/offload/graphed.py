@@ -20,8 +20,8 @@ On CPU (`eager_static`, the tests) the same view runs eagerly with synchronous c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from triforce.model.attention import aligned_mask, attend_shared_heads
 from triforce.speculative.graphs import StaticView
 
 BUCKET = 1024  # tokens: a graph per bucket of lengths; an extra 64-256 KiB a layer at SmolLM2..Llama-2-7B
@@ -42,7 +42,7 @@ class OffloadedView(StaticView):
         self.offsets = torch.arange(T, device=device)
         self.key_slots = torch.arange(span, device=device)
         self.tiled = False
-        self.mask = torch.zeros(T, span, dtype=shape.dtype, device=device)
+        self.mask = aligned_mask(T, span, shape.dtype, device)
         self.limits = torch.zeros(T, dtype=torch.long, device=device)
         self.onchip, self.offloaded = cache.onchip, shape.num_layers - cache.onchip
         # the new tokens' K/V of each offloaded layer, where graph_end copies them back from
@@ -93,15 +93,14 @@ class OffloadedView(StaticView):
             self.fresh_v[j].copy_(v)
         keys.index_copy_(0, self.slots, k.to(keys.dtype))
         values.index_copy_(0, self.slots, v.to(values.dtype))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[:self.span].transpose(0, 1)[None].to(q.dtype),
-            values[:self.span].transpose(0, 1)[None].to(q.dtype), attn_mask=self.mask.to(q.dtype), enable_gqa=True)
+        out = attend_shared_heads(q, keys[:self.span].transpose(0, 1).to(q.dtype),
+                                  values[:self.span].transpose(0, 1).to(q.dtype), self.mask.to(q.dtype))
         if j >= 0 and j + 2 < self.offloaded:
             if compute is not None:
                 self.freed[j] = torch.cuda.Event()
                 self.freed[j].record(compute)
             self._fetch(j + 2)
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+        return out
 
     def end(self, T: int) -> None:
         if self.copies is not None:  # join: a capture ends with every forked stream back

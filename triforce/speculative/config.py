@@ -9,10 +9,14 @@ from .retrieval import check_budget_shape
 
 # Prefill pieces: on CPU a prompt of up to 4,096 tokens goes in one piece, whose attention runs as a
 # causal kernel (bench/prefill_rate.py: 1.0-1.8x transformers' rate, SmolLM2 and Qwen2.5-0.5B, fp32
-# and bf16, 4K tokens, against 0.45x in pieces of 512); later pieces attend to the cache under a mask
-# of piece x context. On a GPU the mask of a long piece at 128K context would take gigabytes: pieces
-# stay at 512 there (not measured yet).
-CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 4096, 512
+# and bf16, 4K tokens, against 0.45x in pieces of 512); later pieces attend to the cache with the
+# past and the piece merged (model/attention.py). On a GPU later pieces take a fused kernel with the
+# causal diagonal aligned to the last key, no (piece x context) mask (attention.attend_shared_heads);
+# with the KV in host memory every piece streams the whole past once, so the bytes a prefill moves
+# fall as the piece grows (N^2 / 2 piece tokens: 2.2 TB at 128K for Llama-3-8B in pieces of 512, 0.55 TB
+# in pieces of 2,048). 2,048 keeps a piece's activations inside the planner's 512 MiB workspace at
+# Llama-3-8B's width (the gate/up product of 2,048 rows is 117 MB).
+CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 4096, 2048
 
 
 @dataclass
