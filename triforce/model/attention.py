@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from . import decode_attention, decode_attention_f32, key_tiles, layer_ops
 
@@ -259,6 +258,8 @@ def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> t
     if not square and _CPU_FLASH is not None and not q.is_cuda:
         return _attend_past_and_piece(q, keys, values)
     if not square and q.is_cuda:  # the diagonal aligned to the last key: a fused kernel, no mask
+        # imported here: the module imports torch's compiler, a second of every CPU start
+        from torch.nn.attention.bias import causal_lower_right
         return attend_shared_heads(q, keys, values, causal_lower_right(T, S))
     visible = None if square else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
