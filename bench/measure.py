@@ -14,14 +14,17 @@ from triforce.speculative.engine import synchronize
 
 OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems, measured by default
 # ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding and triforce with --compile
-VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "triforce-compiled")
+VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "retrieval-compiled", "triforce-compiled",
+            "adaptive-compiled")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 "triforce-device": ("triforce", {"device_rounds": True}, ["--no-adaptive", "--device-rounds"]),
                 "triforce-host": ("triforce", {"device_rounds": False}, ["--no-adaptive", "--no-device-rounds"]),
                 "autoregressive-compiled": ("autoregressive", {"compile": True}, ["--no-adaptive", "--compile"]),
-                "triforce-compiled": ("triforce", {"compile": True}, ["--no-adaptive", "--compile"])}
+                "retrieval-compiled": ("retrieval", {"compile": True}, ["--no-adaptive", "--compile"]),
+                "triforce-compiled": ("triforce", {"compile": True}, ["--no-adaptive", "--compile"]),
+                "adaptive-compiled": ("triforce", {"adaptive": True, "compile": True}, ["--compile"])}
 
 
 def engine_mode(system: str) -> str:

@@ -303,3 +303,13 @@ def test_the_json_holds_each_context_as_it_finishes(tiny, tmp_path, monkeypatch)
     assert bench.main(_flags(target, "--prompt-file", str(book), "--contexts", str(CONTEXT), "--new-tokens", str(NEW),
                              "--systems", "autoregressive", "--out", str(out))) == 0
     assert "partial" not in json.loads(out.read_text())  # a finished run's JSON is whole
+
+
+def test_compiled_systems_warm_up_until_every_width_is_compiled():
+    """A width compiles on its HOT_AFTER-th call, and a greedy repetition meets the warm-up's widths
+    again: a compiled system warms up HOT_AFTER times, so no compile lands inside the clock."""
+    from triforce.speculative.graphs import HOT_AFTER
+
+    assert HOT_AFTER > 1
+    assert all(bench.our_warmups(s) == HOT_AFTER for s in measure.VARIANTS if s.endswith("-compiled"))
+    assert all(bench.our_warmups(s) == 1 for s in (*measure.OURS, "triforce-device", "triforce-host"))

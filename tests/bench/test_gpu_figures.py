@@ -29,11 +29,17 @@ def test_the_plan_covers_the_figures():
     assert any(c.startswith("bench.linkbench") for c in commands)
     assert any("float32" in c and "--offload host" in c and "4096,32768" in c for c in commands)
     assert plan["graph == eager tokens"] == ["pytest", "-q", "tests/gpu"]
-    assert "autoregressive,autoregressive-compiled" in " ".join(plan["compiled, kv gpu greedy"])
-    assert "triforce,triforce-compiled" in " ".join(plan["compiled triforce, kv host greedy"])
-    assert [n for n in plan][-3:] == ["compiled, kv gpu greedy", "compiled triforce, kv host greedy",
-                                      "kernels per layer"]  # compiling on CUDA is slow: last
+    assert "autoregressive,autoregressive-compiled" in " ".join(plan["compiled kv gpu greedy"])
+    compiled_host = " ".join(plan["compiled kv host greedy"])
+    assert "--contexts 32768 --offload host" in compiled_host and all(
+        s in compiled_host.split("--systems ")[1].split()[0].split(",") for s in
+        ("autoregressive", "retrieval", "retrieval-compiled", "triforce-compiled", "adaptive-compiled"))
+    assert "--temperature 0.8" in " ".join(plan["compiled kv host sampled"])
+    # the missing figures first: host greedy, then the resident cache against transformers' static one
+    assert [n for n in plan][3:6] == ["kv host greedy", "kv gpu greedy", "compiled kv host greedy"]
+    assert [n for n in plan][-2:] == ["compiled kv gpu greedy", "kernels per layer"]  # compiling is slow: last
     assert plan["kernels per layer"] == ["bench.kernels"]
+    assert not any("," in name for name in plan)  # --only and --skip take comma-separated names
     # the attention forms need no model: they run beside the link floor, before the model arrives
     assert plan["attention forms"] == ["bench.sdpa_forms"]
     assert plan["attention forms llama-3"] == ["bench.sdpa_forms", "--heads", "32,8", "--head-dim", "128"]
@@ -118,5 +124,5 @@ def test_a_timed_out_steps_output_is_text():
 def test_a_staged_book_reaches_every_bench_step():
     plan = gpu_figures.steps("m", 64, prompt_file="models/.stage/b/book.txt")
     benches = [argv for _, argv in plan if argv[0] == "bench.bench"]
-    assert len(benches) == 7 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
+    assert len(benches) == 8 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
     assert not any("--prompt-file" in argv for _, argv in gpu_figures.steps("m", 64))
