@@ -25,24 +25,15 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from triforce.cli.common import run_cli
-from triforce.model.attention import aligned_mask, attend_shared_heads
+from triforce.model.attention import shared_heads_sdpa, aligned_mask, attend_grouped_flag
 from triforce.model.errors import UserError
 
 DECODE = [(1, 4096), (7, 4096), (1, 32768), (7, 32768)]
 PREFILL = [(2048, 32768)]
 SMALL_DECODE, SMALL_PREFILL = [(1, 256), (7, 256)], [(64, 256)]
-
-
-def grouped_flag(q, keys, values, mask):
-    """The form before: grouped heads flagged to SDPA, with the mask."""
-    T = q.shape[0]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                         enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(T, -1)
 
 
 def kernels_that_take(q, keys, values, mask, grouped: bool) -> dict[str, bool]:
@@ -93,12 +84,16 @@ def measure(kind: str, T: int, S: int, heads: tuple[int, int], D: int, dtype, de
     else:
         before, ours = visible, causal_lower_right(T, S)
     row = {"kind": kind, "T": T, "S": S, "heads": list(heads), "head_dim": D, "dtype": str(dtype).split(".")[-1]}
-    a, b = grouped_flag(q, keys, values, before), attend_shared_heads(q, keys, values, ours)
-    row["max_difference"] = (a.float() - b.float()).abs().max().item()
     row["kernels_grouped_flag"] = kernels_that_take(q, keys, values, before, grouped=True)  # none on CPU
     row["kernels_shared_heads"] = kernels_that_take(q, keys, values, ours, grouped=False)
-    row["us_grouped_flag"] = 1e6 * seconds_per_call(lambda: grouped_flag(q, keys, values, before), repeats, device)
-    row["us_shared_heads"] = 1e6 * seconds_per_call(lambda: attend_shared_heads(q, keys, values, ours), repeats, device)
+    row["us_grouped_flag"] = 1e6 * seconds_per_call(lambda: attend_grouped_flag(q, keys, values, before), repeats, device)
+    try:  # the form itself, not attention.attend_shared_heads, which would fall back if refused
+        a, b = attend_grouped_flag(q, keys, values, before), shared_heads_sdpa(q, keys, values, ours)
+    except RuntimeError as e:
+        row["shared_heads_refused"] = str(e).splitlines()[0]
+        return row
+    row["max_difference"] = (a.float() - b.float()).abs().max().item()
+    row["us_shared_heads"] = 1e6 * seconds_per_call(lambda: shared_heads_sdpa(q, keys, values, ours), repeats, device)
     row["speedup"] = row["us_grouped_flag"] / row["us_shared_heads"]
     return row
 
@@ -130,6 +125,10 @@ def main(argv=None) -> int:
         rows.append(row)
         takes = lambda d: ",".join(k for k, v in (d or {}).items() if v) or "math"  # noqa: E731
         fused = f"{takes(row.get('kernels_grouped_flag'))} / {takes(row.get('kernels_shared_heads'))}" if not small else "-"
+        if "shared_heads_refused" in row:
+            print(f"{kind:8} {T:>5} {S:>6}  {row['us_grouped_flag']:>15.1f}  refused: {row['shared_heads_refused']}",
+                  flush=True)
+            continue
         print(f"{kind:8} {T:>5} {S:>6}  {row['us_grouped_flag']:>15.1f}  {row['us_shared_heads']:>15.1f}  "
               f"{row['speedup']:>6.2f}x  {fused}", flush=True)
     if args.out:

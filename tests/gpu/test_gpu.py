@@ -223,3 +223,23 @@ def test_shared_heads_attention_runs_fused_kernels(T, S, dtype):
             got = attention.attend_shared_heads(*args, bias)
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
             torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@cuda
+def test_a_kernel_refusing_the_shared_heads_form_leaves_the_grouped_heads_call(monkeypatch):
+    """Should a CUDA kernel refuse the zero-stride form, the call falls back once, with a warning."""
+    def refuse(*args):
+        raise RuntimeError("no kernel for these strides")
+
+    monkeypatch.setattr(attention, "shared_heads_sdpa", refuse)
+    monkeypatch.setattr(attention, "_REFUSED", set())
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(7, 9, 64, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(3, 300, 64, generator=g, dtype=torch.float64) for _ in "kv")
+    mask = attention.aligned_mask(7, 300, torch.float32, "cuda")
+    mask.masked_fill_(~torch.ones(7, 300, dtype=torch.bool, device="cuda").tril(293), float("-inf"))
+    args = (q.float().cuda(), keys.float().cuda(), values.float().cuda())
+    with pytest.warns(UserWarning, match="refused the shared-heads form"):
+        got = attention.attend_shared_heads(*args, mask)
+    assert attention._REFUSED == {(torch.float32, True)}
+    torch.testing.assert_close(got.double().cpu(), written_out(q, keys, values), atol=1e-4, rtol=1e-4)

@@ -76,6 +76,32 @@ def test_shared_heads_attention_takes_a_mask_or_the_lower_right_diagonal(T, S, h
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def test_a_refused_shared_heads_form_falls_back_to_the_grouped_heads_call(monkeypatch):
+    """Where a CUDA kernel refused the zero-stride form, the grouped-heads call computes the same."""
+    from torch.nn.attention.bias import causal_lower_right
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 9, 16, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(3, 40, 16, generator=g, dtype=torch.float64) for _ in "kv")
+    mask = torch.zeros(7, 40, dtype=torch.float64).masked_fill(torch.ones(7, 40, dtype=torch.bool).tril(33).logical_not(),
+                                                              float("-inf"))
+    monkeypatch.setattr(attention, "_REFUSED", {(torch.float64, True), (torch.float64, False)})
+    monkeypatch.setattr(attention, "shared_heads_sdpa", None)  # not called
+    for bias in (mask, causal_lower_right(7, 40)):
+        torch.testing.assert_close(attention.attend_shared_heads(q, keys, values, bias), reference(q, keys, values),
+                                   rtol=0, atol=1e-12)
+
+
+def test_the_shared_heads_form_traces_whole():
+    """Compiled passes (fullgraph) trace it: the refusal check and the zero-stride call, no break."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(7, 9, 16, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(3, 40, 16, generator=g, dtype=torch.float64) for _ in "kv")
+    mask = torch.zeros(7, 40, dtype=torch.float64).masked_fill(torch.ones(7, 40, dtype=torch.bool).tril(33).logical_not(),
+                                                              float("-inf"))
+    traced = torch.compile(attention.attend_shared_heads, fullgraph=True, backend="eager")
+    torch.testing.assert_close(traced(q, keys, values, mask), reference(q, keys, values), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("S", [1, 15, 16, 300])
 def test_aligned_masks_start_each_row_16_elements_apart(S):
     mask = attention.aligned_mask(7, S, torch.bfloat16, "cpu")

@@ -8,6 +8,8 @@ materialises the (queries x keys) score matrix, or in bf16 on avx512_bf16 decode
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -181,7 +183,29 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     kernels a layer and, for a prefill piece of 4,096 queries at 32K keys, 4.8 GB a layer. Here
     each KV head is a batch entry whose query heads read it through a zero-stride view: the head
     counts match, nothing is copied, and the memory-efficient kernel takes the mask (bench/
-    sdpa_forms.py times both forms on a GPU)."""
+    sdpa_forms.py times both forms on a GPU). Should a CUDA kernel refuse the view, the grouped-heads
+    call serves from then on, said once; a pass's first calls are eager, so this is settled before
+    any graph is captured or compiled."""
+    refused = (q.dtype, torch.is_tensor(mask))
+    if refused in _REFUSED:
+        return attend_grouped_flag(q, keys, values, mask)
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return shared_heads_sdpa(q, keys, values, mask)
+    try:
+        return shared_heads_sdpa(q, keys, values, mask)
+    except RuntimeError as e:
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        _REFUSED.add(refused)
+        warnings.warn(f"attention: torch's kernels refused the shared-heads form ({str(e).splitlines()[0]}); "
+                      "the grouped-heads call serves instead")
+        return attend_grouped_flag(q, keys, values, mask)
+
+
+_REFUSED: set[tuple] = set()  # (dtype, a tensor mask?) whose shared-heads call a CUDA kernel refused
+
+
+def shared_heads_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
     T, Hq, D = q.shape
     Hkv, S, _ = keys.shape
     group = Hq // Hkv
@@ -189,6 +213,14 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     out = F.scaled_dot_product_attention(heads, keys[:, None].expand(Hkv, group, S, D),
                                          values[:, None].expand(Hkv, group, S, D), attn_mask=mask)
     return out.permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+def attend_grouped_flag(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+    """The same attention as one SDPA call with grouped heads flagged (the form before; what
+    bench/sdpa_forms.py compares against)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def aligned_mask(T: int, S: int, dtype: torch.dtype, device) -> torch.Tensor:
