@@ -42,7 +42,7 @@ MODEL = "models/smollm2-135m"
 CONTEXTS, REHEARSAL_CONTEXTS = "4096,32768", "512,1024"
 # the steps that need no checkpoint (random weights, tiny models): the first call of a lease runs them
 # while the model's second half is on its way (docs/gpu-session.md)
-NO_MODEL = "link floor,attention forms,attention forms llama-3,graph == eager tokens"
+NO_MODEL = "link floor,op forms,op forms llama-3,graph == eager tokens"
 MIN_STEP_SECONDS = 20  # a step given less than this is skipped rather than started and cut
 
 
@@ -55,10 +55,11 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
              *(["--prompt-file", prompt_file] if prompt_file else [])]
     link = ["--context", "1024", "--layers", "2", "--device", "cpu"] if rehearse else ["--context", "32768", "--layers", "30"]
     out = [("link floor", ["bench.linkbench", "--tokens", "1", "7", *link])]
-    # which fused kernels take each attention form, and its cost, at SmolLM2's and Llama-3-8B's heads
-    forms = ["bench.sdpa_forms", *(["--device", "cpu"] if rehearse else [])]
-    out.append(("attention forms", forms))
-    out.append(("attention forms llama-3", [*forms, "--heads", "32,8", "--head-dim", "128"]))
+    # each op's form beside the form before (attention: which fused kernels take it; the norm), at
+    # SmolLM2's and Llama-3-8B's widths
+    forms = ["bench.op_forms", *(["--device", "cpu"] if rehearse else [])]
+    out.append(("op forms", forms))
+    out.append(("op forms llama-3", [*forms, "--heads", "32,8", "--head-dim", "128", "--hidden", "4096"]))
     greedy, sampled = ["--accept-ties"], ["--temperature", "0.8"]
     # bfloat16 greedy runs may part at logit ties (rounding, which the bench names); the float32 step
     # below is the exact-token check
@@ -99,7 +100,7 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
 def run_step(name: str, argv: list[str], scratch: Path, timeout: float) -> dict:
     """One tool in its own process; a bench step's --out JSON (or a tool's JSON lines) is kept."""
     out_file = scratch / (name.replace(" ", "-").replace("=", "eq") + ".json")
-    command = [sys.executable, "-m", *argv] + (["--out", str(out_file)] if argv[0] in ("bench.bench", "bench.sdpa_forms") else [])
+    command = [sys.executable, "-m", *argv] + (["--out", str(out_file)] if argv[0] in ("bench.bench", "bench.op_forms") else [])
     print(f"[gpu_figures] {name}: {' '.join(command[2:])}", flush=True)
     start = time.perf_counter()
     try:

@@ -243,3 +243,26 @@ def test_a_kernel_refusing_the_shared_heads_form_leaves_the_grouped_heads_call(m
         got = attention.attend_shared_heads(*args, mask)
     assert attention._REFUSED == {(torch.float32, True)}
     torch.testing.assert_close(got.double().cpu(), written_out(q, keys, values), atol=1e-4, rtol=1e-4)
+
+
+@cuda
+def test_a_16_bit_norm_is_one_kernel_within_a_rounding_of_transformers_form():
+    """On CUDA a bf16 RMSNorm is one fused kernel (one rounding), where transformers' form is four
+    (two roundings): the outputs part by at most one bf16 unit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from triforce.model.transformer import RMSNorm
+    norm = RMSNorm(576, 1e-5).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(576, device="cuda"))
+    x = torch.randn(7, 576, device="cuda", dtype=torch.bfloat16)
+    norm(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        ours = norm(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    theirs = norm.weight * torch.nn.functional.rms_norm(x.float(), (576,), eps=1e-5).to(torch.bfloat16)
+    ulp = torch.finfo(torch.bfloat16).eps * theirs.float().abs().clamp(min=1e-3)
+    assert ((ours.float() - theirs.float()).abs() <= ulp * 1.01).all()

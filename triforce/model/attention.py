@@ -183,7 +183,7 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     kernels a layer and, for a prefill piece of 4,096 queries at 32K keys, 4.8 GB a layer. Here
     each KV head is a batch entry whose query heads read it through a zero-stride view: the head
     counts match, nothing is copied, and the memory-efficient kernel takes the mask (bench/
-    sdpa_forms.py times both forms on a GPU). Should a CUDA kernel refuse the view, the grouped-heads
+    op_forms.py times both forms on a GPU). Should a CUDA kernel refuse the view, the grouped-heads
     call serves from then on, said once; a pass's first calls are eager, so this is settled before
     any graph is captured or compiled."""
     refused = (q.dtype, torch.is_tensor(mask))
@@ -217,7 +217,7 @@ def shared_heads_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_grouped_flag(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
     """The same attention as one SDPA call with grouped heads flagged (the form before; what
-    bench/sdpa_forms.py compares against)."""
+    bench/op_forms.py compares against)."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          enable_gqa=True)
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)
