@@ -108,17 +108,39 @@ def run_config(args, sampling: str = "greedy", **derived) -> Settings:
 # 0.51 at 2,048) and short middle runs (gamma2 3) beat long ones; with the target drafting for itself a
 # draft pass costs a middle pass, so triforce drafts 2 at a time. Chunks of 32 tokens scored better
 # than 8 (4K: middle acceptance 0.85 vs 0.80), on either device. On a GPU the full pass streams the KV
-# from host memory and dwarfs the others: TriForce's published setting (budget 4,096, longer gamma2).
-CPU_BUDGET_FRACTION, CPU_BUDGET_RANGE, GPU_BUDGET = 4, (1024, 8192), 4096
+# from host memory and dwarfs the others: TriForce's longer gamma2, and a middle pass costs its kernels,
+# not its budget (SmolLM2's: 1.9 ms at 4K and at 32K on the H200), so the budget follows the context
+# as on CPU, a quarter of it, from TriForce's published 4,096 up to 8,192. SmolLM2 at 32K (Moby Dick,
+# exact weights, gamma2 6; bench.sweep, results/sweep-32k-budgets-s24.json) made 4.88 tokens per full
+# pass at 4,096, 6.05 at 8,192 and 6.05 at 16,384 greedy, 5.08 / 6.68 / 6.35 sampled at 0.8. A default
+# keeps the retrieval cache within GPU_RETRIEVAL_BYTES: Llama-2-7B (512 KiB a token) stays at 4,096.
+CPU_BUDGET_FRACTION, CPU_BUDGET_RANGE = 4, (1024, 8192)
+GPU_BUDGET_RANGE, GPU_RETRIEVAL_BYTES = (4096, 8192), 2 * 2**30
 DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce": (2, 3), "autoregressive": (0, 0)},
                   "cuda": {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}}
 
 
-def default_budget(prompt_len: int, chunk: int, gpu: bool) -> int:
-    if gpu:
-        return GPU_BUDGET
-    low, high = CPU_BUDGET_RANGE
+def default_budget(prompt_len: int, chunk: int, gpu: bool, kv_token_bytes: int = 0) -> int:
+    """A quarter of the prompt in whole chunks, within the device's range; on a GPU no more than
+    GPU_RETRIEVAL_BYTES of retrieval cache at `kv_token_bytes` (K and V of a token, every layer)."""
+    low, high = GPU_BUDGET_RANGE if gpu else CPU_BUDGET_RANGE
+    if gpu and kv_token_bytes:
+        high = max(low, min(high, GPU_RETRIEVAL_BYTES // kv_token_bytes // chunk * chunk))
     return min(max(prompt_len // CPU_BUDGET_FRACTION // chunk * chunk, low), high)
+
+
+def kv_token_bytes(model: str) -> int:
+    """K and V of one token in every layer at 16 bits, from the model folder's config; 0 where it
+    cannot be read (loading the model names that problem)."""
+    from triforce.model.config import ModelConfig
+
+    if not model:
+        return 0
+    try:
+        cfg = ModelConfig.from_folder(model)
+    except UserError:
+        return 0
+    return cfg.kv_bytes_per_token
 
 
 def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):
@@ -133,7 +155,7 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
     budget = run.budget
     if budget is None:  # a chunk size <= 0 is refused by GenerationConfig, naming it
         chunk = max(run.chunk_size, 1)
-        budget = default_budget(prompt_len, chunk, gpu)
+        budget = default_budget(prompt_len, chunk, gpu, kv_token_bytes(run.model) if gpu else 0)
         if retrieves(run.mode) and budget >= prompt_len:
             budget = max(MIN_CHUNKS * chunk, (prompt_len // 2) // chunk * chunk)
             if say and budget < prompt_len:
