@@ -97,14 +97,16 @@ def test_a_generator_feeds_its_prefill_in_the_device_pieces(short_model):
     assert Generator(models, cfg, "autoregressive", max_len=64).full.cache.max_feed == 16
 
 
-def test_a_gpu_budget_is_a_quarter_of_the_prompt_from_4096_to_8192_within_2_gib():
+def test_a_gpu_budget_is_a_quarter_of_the_prompt_from_4096_to_8192_within_4_gib():
     """On a GPU a middle pass costs its kernels, not its budget: the default follows the prompt (at 32K,
-    SmolLM2 made 6.05 tokens a full pass at 8,192 against 4.88 at 4,096), its cache within 2 GiB."""
+    SmolLM2 made 6.05 tokens a full pass at 8,192 against 4.88 at 4,096), its cache within 4 GiB
+    (TriForce's one-GPU setting for Llama-2-7B)."""
     from triforce.runtime.settings import default_budget, kv_token_bytes
 
     assert [default_budget(n, 32, gpu=True) for n in (4096, 16384, 32768, 131072)] == [4096, 4096, 8192, 8192]
-    assert default_budget(131072, 32, gpu=True, kv_token_bytes=512 * 1024) == 4096  # Llama-2-7B: MHA, 32 layers
-    assert default_budget(131072, 32, gpu=True, kv_token_bytes=128 * 1024) == 8192  # Llama-3-8B: 8 KV heads
+    assert default_budget(131072, 32, gpu=True, kv_token_bytes=512 * 1024) == 8192  # Llama-2-7B: MHA, 32 layers
+    assert default_budget(131072, 32, gpu=True, kv_token_bytes=819200) == 5216  # Llama-2-13B: 40 layers, 40 heads
+    assert default_budget(131072, 32, gpu=True, kv_token_bytes=2 * 2**20) == 4096  # never below 4,096
     assert default_budget(131072, 32, gpu=False) == 8192 and default_budget(4096, 32, gpu=False) == 1024
     assert kv_token_bytes(None) == 0 and kv_token_bytes("/nonexistent/model") == 0
 

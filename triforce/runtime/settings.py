@@ -110,12 +110,13 @@ def run_config(args, sampling: str = "greedy", **derived) -> Settings:
 # than 8 (4K: middle acceptance 0.85 vs 0.80), on either device. On a GPU the full pass streams the KV
 # from host memory and dwarfs the others: TriForce's longer gamma2, and a middle pass costs its kernels,
 # not its budget (SmolLM2's: 1.9 ms at 4K and at 32K on the H200), so the budget follows the context
-# as on CPU, a quarter of it, from TriForce's published 4,096 up to 8,192. SmolLM2 at 32K (Moby Dick,
-# exact weights, gamma2 6; bench.sweep, results/sweep-32k-budgets-s24.json) made 4.88 tokens per full
-# pass at 4,096, 6.05 at 8,192 and 6.05 at 16,384 greedy, 5.08 / 6.68 / 6.35 sampled at 0.8. A default
-# keeps the retrieval cache within GPU_RETRIEVAL_BYTES: Llama-2-7B (512 KiB a token) stays at 4,096.
+# as on CPU, a quarter of it, from 4,096 up to 8,192 (TriForce's offloaded setting on one RTX 4090,
+# docs/design.md). SmolLM2 at 32K (Moby Dick, exact weights, gamma2 6; bench.sweep,
+# results/sweep-32k-budgets-s24.json) made 4.88 tokens per full pass at 4,096, 6.05 at 8,192 and 6.05
+# at 16,384 greedy, 5.08 / 6.68 / 6.35 sampled at 0.8. A default keeps the retrieval cache within
+# GPU_RETRIEVAL_BYTES, that setting's 4 GiB for Llama-2-7B (512 KiB a token): Llama-2-13B gets less.
 CPU_BUDGET_FRACTION, CPU_BUDGET_RANGE = 4, (1024, 8192)
-GPU_BUDGET_RANGE, GPU_RETRIEVAL_BYTES = (4096, 8192), 2 * 2**30
+GPU_BUDGET_RANGE, GPU_RETRIEVAL_BYTES = (4096, 8192), 4 * 2**30
 DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce": (2, 3), "autoregressive": (0, 0)},
                   "cuda": {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}}
 
