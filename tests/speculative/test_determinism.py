@@ -42,3 +42,22 @@ def test_same_seed_same_tokens(sampled, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_other_seed_other_tokens(sampled, mode):
     assert sampled(mode, seed=11) != sampled(mode, seed=12)
+
+
+def test_a_resume_counts_no_pass_as_decoding():
+    """resume() refills the drafter's window and rebuilds the retrieval cache: prefill work, which the
+    decode statistics and the adaptive chooser's timings leave out."""
+    from bench.kernels import tiny_target
+    from triforce.speculative import GenerationConfig, Generator, Models
+
+    cfg = GenerationConfig(max_new_tokens=6, budget=64, chunk_size=8, gamma1=2, gamma2=3, draft_window=32,
+                           sink_tokens=4)
+    gen = Generator(Models(tiny_target(2), None), cfg, "triforce", 300)
+    gen.prefill([3 + (i * 7) % 200 for i in range(200)])
+    snap = gen.snapshot()
+    gen.generate()
+    gen.resume(snap.prompt, snap.queries, snap.first)
+    assert gen.stats.phase == "decode" and sum(gen.stats.to_dict()["passes"].values()) == 0
+    assert not any(lv.timings for lv in (gen.full, gen.middle, gen.drafter))
+    gen.generate()
+    assert gen.stats.to_dict()["passes"]["draft"] > 0

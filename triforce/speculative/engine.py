@@ -441,8 +441,11 @@ class Generator:
         return first
 
     def reset_stats(self) -> Stats:
-        """Fresh statistics (e.g. per chat answer); returns the old ones."""
+        """Fresh statistics (e.g. per chat answer), in the phase the old ones were in; returns the old
+        ones. (Fresh ones in the decode phase let resume() count the drafter's window refill as a
+        decode pass: 260 tokens, compiled once, 3.5 s of a bench row's 'ms d' in a 0.19 s run.)"""
         old, self.stats = self.stats, Stats()
+        self.stats.phase = old.phase
         for level in (self.full, self.middle, self.drafter):
             if level is not None:
                 level.stats = self.stats
