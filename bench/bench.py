@@ -172,7 +172,8 @@ def bench_context(session, plan: BenchPlan, ids, context, hf=None, hf_skip=None)
     systems = [s for s in plan.systems if s in ALL_OURS or (hf is not None and s in HF and s not in hf_skip)]
     results = time_systems(session, plan, systems, cfgs, base, prefilled, max_len, hf, context)
     reference = results.get("autoregressive", {}).get("tokens")
-    drafter_cfg = session.loaded.models.drafter.cfg if session.loaded.models.drafter is not None else session.config
+    models = session.loaded.models
+    drafter_cfg = None if models.lookup else models.drafter.cfg if models.drafter is not None else session.config
     elem = 2 if str(session.dtype).endswith(("bfloat16", "float16")) else 4
     traffic = Traffic(session.config, drafter_cfg, elem, len(prompt), plan.new_tokens, seed_config(cfgs or {"-": base}),
                       lower_elem=1 if session.run.lower_weights == "int8" else elem)

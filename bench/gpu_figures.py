@@ -51,8 +51,11 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     first (the KV in host memory is the product's regime); rehearsed, the same plan at sizes a CPU
     runs in seconds."""
     contexts = REHEARSAL_CONTEXTS if rehearse else CONTEXTS
-    bench = ["bench.bench", "--model", model, "--new-tokens", str(new_tokens), "--repeats", "1", "--draft", "self",
-             *(["--prompt-file", prompt_file] if prompt_file else [])]
+    def bench_with(draft: str) -> list[str]:
+        return ["bench.bench", "--model", model, "--new-tokens", str(new_tokens), "--repeats", "1", "--draft", draft,
+                *(["--prompt-file", prompt_file] if prompt_file else [])]
+
+    bench = bench_with("self")
     link = ["--context", "1024", "--layers", "2", "--device", "cpu"] if rehearse else ["--context", "32768", "--layers", "30"]
     out = [("link floor", ["bench.linkbench", "--tokens", "1", "7", *link])]
     # each op's form beside the form before (attention: which fused kernels take it; the norm), at
@@ -66,18 +69,25 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     host = [*bench, "--contexts", contexts, "--offload", "host", "--dtype", "bfloat16"]
     resident = [*bench, "--contexts", contexts, "--offload", "none", "--dtype", "bfloat16"]
     out.append(("kv host greedy", [*host, "--systems", OURS + ",hf-offloaded", *greedy]))
+    # SmolLM2 drafting for itself costs what its middle pass costs (~850 kernels each), so a
+    # drafter->middle round cannot beat the middle level alone; drafts looked up in the sequence cost
+    # a few kernels (speculative/lookup.py): triforce's levels with them, at 32K, greedy and sampled
+    longest = contexts.split(",")[-1]
+    lookup = [*bench_with("lookup"), "--contexts", longest, "--offload", "host", "--dtype", "bfloat16",
+              "--systems", "autoregressive,retrieval,speculative,triforce,adaptive"]
+    out.append(("lookup kv host greedy", [*lookup, *greedy]))
     # transformers' static cache compiles once per context (minutes with both): the 32K figure that
     # session 23's lease could not finish comes second
     out.append(("kv gpu greedy", [*resident, "--systems", OURS + ",hf-static", *greedy]))
     # fewer kernels a pass (issue 22 item 5) where the targets are missed: the proposing levels'
     # passes compiled with the KV in host memory at 32K (the full level's offloaded pass is captured,
     # never compiled), beside the same modes uncompiled in one run
-    longest = contexts.split(",")[-1]
     compiled_host = [*bench, "--contexts", longest, "--offload", "host", "--dtype", "bfloat16", "--systems"]
     out.append(("compiled kv host greedy", [
         *compiled_host, "autoregressive,retrieval,retrieval-compiled,triforce,triforce-compiled,adaptive-compiled",
         *greedy]))
     out.append(("kv host sampled", [*host, "--systems", OURS, *sampled]))
+    out.append(("lookup kv host sampled", [*lookup, *sampled]))
     # inductor's on-disk cache serves the kernels the greedy step compiled
     out.append(("compiled kv host sampled", [*compiled_host, "autoregressive,retrieval,retrieval-compiled,adaptive-compiled",
                                             *sampled]))

@@ -22,7 +22,8 @@ def test_the_plan_covers_the_figures():
     plan = dict(gpu_figures.steps("m", 64))
     commands = [" ".join(argv) for argv in plan.values()]
     for offload in ("none", "host"):
-        runs = [c for c in commands if f"--offload {offload}" in c and "bfloat16" in c and "compiled" not in c]
+        runs = [c for c in commands if f"--offload {offload}" in c and "bfloat16" in c and "compiled" not in c
+                and "--draft lookup" not in c]
         assert len(runs) == 2 and sum("--temperature" in c for c in runs) == 1
         assert all("4096,32768" in c and gpu_figures.OURS in c for c in runs)
     assert any("hf-static" in c for c in commands) and any("hf-offloaded" in c for c in commands)
@@ -35,8 +36,12 @@ def test_the_plan_covers_the_figures():
         s in compiled_host.split("--systems ")[1].split()[0].split(",") for s in
         ("autoregressive", "retrieval", "retrieval-compiled", "triforce-compiled", "adaptive-compiled"))
     assert "--temperature 0.8" in " ".join(plan["compiled kv host sampled"])
-    # the missing figures first: host greedy, then the resident cache against transformers' static one
-    assert [n for n in plan][3:6] == ["kv host greedy", "kv gpu greedy", "compiled kv host greedy"]
+    # the missing figures first: host greedy (our drafter, then drafts looked up: the triforce target's
+    # best chance), then the resident cache against transformers' static one
+    assert [n for n in plan][3:7] == ["kv host greedy", "lookup kv host greedy", "kv gpu greedy", "compiled kv host greedy"]
+    for name, flags in (("lookup kv host greedy", "--accept-ties"), ("lookup kv host sampled", "--temperature 0.8")):
+        line = " ".join(plan[name])
+        assert "--draft lookup" in line and "--contexts 32768 --offload host" in line and flags in line
     assert [n for n in plan][-2:] == ["compiled kv gpu greedy", "kernels per layer"]  # compiling is slow: last
     assert plan["kernels per layer"] == ["bench.kernels"]
     assert not any("," in name for name in plan)  # --only and --skip take comma-separated names
@@ -125,5 +130,5 @@ def test_a_timed_out_steps_output_is_text():
 def test_a_staged_book_reaches_every_bench_step():
     plan = gpu_figures.steps("m", 64, prompt_file="models/.stage/b/book.txt")
     benches = [argv for _, argv in plan if argv[0] == "bench.bench"]
-    assert len(benches) == 8 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
+    assert len(benches) == 10 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
     assert not any("--prompt-file" in argv for _, argv in gpu_figures.steps("m", 64))

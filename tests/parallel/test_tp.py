@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from triforce.parallel import setup_tensor_parallel
 from triforce.speculative import GenerationConfig, Generator, Models, UserError
 from triforce.speculative.caches import FullCache
+from triforce.speculative.lookup import LookupDrafter
 from triforce.model.loader import load_model
 from triforce.model.quant import int8_twin
 
@@ -42,7 +43,8 @@ LOGIT_MODELS = {  # name -> save_tiny arguments: GQA, q/k/v biases (qwen2), o_pr
 LOGIT_DTYPES = {"llama-bf16": torch.bfloat16}  # the others float32
 GEN_MODEL = "qwen2-bias"
 ENGINES = [("autoregressive", False), ("speculative", True), ("retrieval", False), ("triforce", True),
-           ("triforce", False), ("triforce-device", True)]  # (mode, separate drafter; False = the target's own weights)
+           ("triforce", False), ("triforce-device", True), ("triforce-device", "lookup")]
+# (mode, separate drafter; False = the target's own weights, "lookup" = drafts looked up in the sequence)
 # "triforce-device": triforce with its drafter->middle rounds on the device (rounds.py, the GPU default)
 GREEDY = GenerationConfig(max_new_tokens=32, budget=32, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
                           sink_tokens=4, prefill_chunk=48)
@@ -106,7 +108,8 @@ def generate(target, drafter, mode: str, use_drafter: bool, cfg: GenerationConfi
     mode, device_rounds = mode.removesuffix("-device"), mode.endswith("-device")
     cfg = replace(cfg, device_rounds=device_rounds)
     factory = offload_factory()(device="cpu", prefill_chunk=cfg.prefill_chunk) if offload else None
-    models = Models(target, drafter if use_drafter else None, proposing_target=lower)
+    drafter = LookupDrafter() if use_drafter == "lookup" else drafter if use_drafter else None
+    models = Models(target, drafter, proposing_target=lower)
     gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens,
                     full_cache_factory=factory)
     gen.prefill(ids)

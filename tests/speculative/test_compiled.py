@@ -38,21 +38,27 @@ def test_compiled_levels_decode_the_eager_tokens(tiny, device_rounds):
         assert graph.runs >= 12 and graph.builds == 1 and compiled.stats.passes["draft+middle"] >= 12
 
 
-def test_a_compiled_round_draws_what_the_eager_round_draws(tiny):
+@pytest.mark.parametrize("lookup", [False, True], ids=["self-drafter", "lookup"])
+def test_a_compiled_round_draws_what_the_eager_round_draws(tiny, lookup):
     """Sampled: a whole drafter->middle round compiled as one graph takes the same uniforms as the same
-    round run eagerly (graphs.enable_cuda_graphs with eager_static), and makes the same tokens."""
+    round run eagerly (graphs.enable_cuda_graphs with eager_static), and makes the same tokens; with
+    drafts looked up in the sequence (lookup.py) the lookup is inside the graph."""
     from triforce.speculative.graphs import enable_cuda_graphs
+    from triforce.speculative.lookup import LookupDrafter
+
+    models = Models(tiny.target, LookupDrafter()) if lookup else tiny
 
     ids = [3 + (i * 7) % 60 for i in range(300)]
     cfg = GenerationConfig(max_new_tokens=24, budget=64, chunk_size=8, gamma1=2, gamma2=3, device_rounds=True,
                            temperature=0.8, top_p=0.9, seed=4, adaptive=False)
     tokens = []
     for enable in (lambda g: enable_cuda_graphs(g, eager_static=True), enable_compiled_passes):
-        gen = Generator(tiny, cfg, "triforce", max_len=400)
+        gen = Generator(models, cfg, "triforce", max_len=400)
         enable(gen)
         gen.prefill(ids)
         tokens.append(gen.generate())
-        assert gen.proposers["triforce"][0].graph.runs > 0
+        graph = gen.proposers["triforce"][0].graph
+        assert graph.runs > 0 and (enable is not enable_compiled_passes or graph.builds == 1)
     assert tokens[0] == tokens[1]
 
 

@@ -15,6 +15,7 @@ import triforce.speculative.sampling as sampling
 from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.caches import FullCache
 from triforce.speculative.graphs import enable_cuda_graphs
+from triforce.speculative.lookup import LookupDrafter
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
 
@@ -82,6 +83,7 @@ def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, alpha_z: float
     return stat > critical, stat, critical
 
 
+LOOKUP = "lookup"
 DEVICE = {"device_rounds": True}  # triforce's drafter->middle rounds on the device (rounds.py)
 WHOLE = {**DEVICE, "whole_rounds": True}
 CASES = [("speculative", True, {}), ("retrieval", False, {}), ("triforce", True, {}),
@@ -90,16 +92,24 @@ CASES = [("speculative", True, {}), ("retrieval", False, {}), ("triforce", True,
          # two rounds per full pass: the full level verifies six positions, capped at what the middle made
          ("triforce", True, {**DEVICE, "gamma2": 6}),
          # each round one graph, its uniforms drawn before it: one and two rounds per full pass
-         ("triforce", True, WHOLE), ("triforce", True, {**WHOLE, "gamma2": 6, "top_k": 5, "top_p": 0.8})]
+         ("triforce", True, WHOLE), ("triforce", True, {**WHOLE, "gamma2": 6, "top_k": 5, "top_p": 0.8}),
+         # drafts looked up in the sequence: point masses, accepted with probability p(x)
+         ("speculative", LOOKUP, {}), ("triforce", LOOKUP, {}), ("triforce", LOOKUP, {**DEVICE, "gamma2": 6}),
+         ("triforce", LOOKUP, {**WHOLE, "top_k": 5, "top_p": 0.8})]
+
+
+def drafter_of(models, use_drafter):
+    """Models with the case's drafter: the drafter model (True), the target itself (False), a lookup."""
+    target, drafter = models
+    return Models(target, LookupDrafter() if use_drafter == LOOKUP else drafter if use_drafter else None)
 
 
 @pytest.mark.parametrize("mode,use_drafter,extra", CASES)
 def test_distribution_is_exact(models, mode, use_drafter, extra):
-    target, drafter = models
     cfg = {**SETTINGS, **extra}
     sampler = Sampler(cfg["temperature"], cfg.get("top_p", 1.0), cfg.get("top_k", 0))
-    exact = exact_joint(target, sampler)
-    counts = sample_joint(Models(target, drafter if use_drafter else None), mode, cfg)
+    exact = exact_joint(models[0], sampler)
+    counts = sample_joint(drafter_of(models, use_drafter), mode, cfg)
     rejects, stat, critical = chi_square_rejects(counts, exact)
     assert not rejects, f"chi-square {stat:.1f} > {critical:.1f}: {mode} does not sample the target's distribution"
 
@@ -108,14 +118,15 @@ def wrong_residual(p, q):
     return p  # the reference implementation's mistake: resample from the target, not the residual
 
 
-@pytest.mark.parametrize("mode,extra", [("speculative", {}), ("triforce", {}), ("triforce", DEVICE), ("triforce", WHOLE)])
-def test_wrong_residual_is_caught(models, monkeypatch, mode, extra):
-    target, drafter = models
+@pytest.mark.parametrize("mode,use_drafter,extra", [("speculative", True, {}), ("triforce", True, {}),
+                                                    ("triforce", True, DEVICE), ("triforce", True, WHOLE),
+                                                    ("speculative", LOOKUP, {})])
+def test_wrong_residual_is_caught(models, monkeypatch, mode, use_drafter, extra):
     original = sampling.verify_sampled
     monkeypatch.setattr("triforce.speculative.engine.verify_sampled",
                         lambda *a, **k: original(*a, **k, residual=wrong_residual))
-    exact = exact_joint(target, Sampler(SETTINGS["temperature"]))
-    counts = sample_joint(Models(target, drafter), mode, {**SETTINGS, **extra})
+    exact = exact_joint(models[0], Sampler(SETTINGS["temperature"]))
+    counts = sample_joint(drafter_of(models, use_drafter), mode, {**SETTINGS, **extra})
     rejects, stat, critical = chi_square_rejects(counts, exact)
     assert rejects, f"a wrong residual went unnoticed (chi-square {stat:.1f} <= {critical:.1f})"
 

@@ -24,8 +24,10 @@ RunConfig = Settings  # the measuring tools' name for it
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULTS.model, help="HF-format checkpoint folder (default: %(default)s)")
-    g.add_argument("--draft", default=None, help="drafter folder, or 'self' for the target's own weights "
-                   "with a StreamingLLM cache (default: the model's natural drafter)")
+    g.add_argument("--draft", default=None, help="drafter folder, 'self' for the target's own weights "
+                   "with a StreamingLLM cache, or 'lookup' for drafts looked up in the text so far (no model: "
+                   "the tokens that followed the last earlier occurrence of its last 1-3 tokens) "
+                   "(default: the model's natural drafter)")
     g.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", "float32", "bfloat16"],
                    help="auto (default): bfloat16 on a GPU and on a CPU that computes it natively (avx512_bf16, "
                         "AMX), else float32")

@@ -14,7 +14,10 @@ from triforce.model.config import ModelConfig
 from triforce.model.errors import UserError
 from triforce.model.loader import load_model, load_tokenizer, same_tokenizer, same_tokenizer_files
 from triforce.model.rope import Rotary, scaled_for
+from triforce.speculative.lookup import LookupDrafter
 from triforce.speculative.models import Models
+
+LOOKUP = "lookup"  # Settings.draft for drafts looked up in the sequence (speculative/lookup.py)
 
 log = logging.getLogger("triforce")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
@@ -39,7 +42,8 @@ def load(target: str | Path, draft: str | Path | None = "self", dtype: str | tor
          device: str = "cpu", target_config: ModelConfig | None = None, max_len: int | None = None,
          rank: int = 0, world_size: int = 1, progress: Callable | None = None, rope_scaling: str = "auto",
          tokenizer=None, weights: str = "auto") -> Loaded:
-    """Load the target (sharded when world_size > 1) and the drafter (replicated; None/'self' = target).
+    """Load the target (sharded when world_size > 1) and the drafter (replicated; None/'self' = target;
+    'lookup': no model, drafts looked up in the sequence).
     `tokenizer`: the target's, when the caller has already loaded it.
 
     Without `target_config`, the target's RoPE is scaled for `max_len` tokens by `rope_scaling`
@@ -53,7 +57,9 @@ def load(target: str | Path, draft: str | Path | None = "self", dtype: str | tor
     model = load_model(target, dtype, device, cfg, max_len, rank, world_size, progress, weights=weights)
     tokenizer = tokenizer or load_tokenizer(target)
     drafter, self_rotary = None, None
-    if draft in (None, "self"):
+    if draft == LOOKUP:
+        drafter = LookupDrafter()
+    elif draft in (None, "self"):
         native = ModelConfig.from_folder(target)
         if native.rope_scaling != cfg.rope_scaling:  # a scaling added for this run's long context
             self_rotary = Rotary(native)

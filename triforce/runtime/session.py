@@ -108,7 +108,7 @@ class Session:
         """Load the models; `modes`: those this session will run (their proposing levels alone get
         cheaper weights)."""
         run = self.run
-        what = f"loading {run.model}" + ("" if self.draft == "self" else f" and {self.draft}")
+        what = f"loading {run.model}" + ("" if self.draft in ("self", "lookup") else f" and {self.draft}")
         with self._loading(what) if self._loading else nullcontext() as update:
             if self._build_kernels(update) and update is not None:  # the spinner says what comes next
                 update(what)
@@ -127,7 +127,7 @@ class Session:
             self.run = run = replace(run, lower_weights="same")
         self.kv_dtype = resolve_kv_dtype(run.kv_dtype, self.device, self.dtype)
         for model in (models.target, models.drafter, models.proposing_target):
-            if model is not None:
+            if model is not None and model is not models.lookup:
                 use_kv_dtype(model, self.kv_dtype)
         self.weights = weights_summary(models.target)
         return self
@@ -168,7 +168,7 @@ class Session:
         params = cfg.parameters
         kv = cfg.kv_bytes(elem, tokens)
         weights = params * (elem + (1 if self.run.lower_weights == "int8" else 0))  # + the int8 copy
-        need = weights * (1 if self.draft == "self" else 1.5) + kv
+        need = weights * (1 if self.draft in ("self", "lookup") else 1.5) + kv
         available = host_available_bytes()
         if available is not None and need > available:
             raise UserError(f"this run needs about {_size(need)} of memory (weights + KV cache for {tokens} tokens) "

@@ -39,13 +39,14 @@ from triforce.model.transformer import Transformer
 from .adaptive import SUB_MODES, Chooser
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
+from .lookup import point_masses
 from .models import CacheSizes, Models, Prefilled, self_drafter
 from .rounds import DeviceRoundProposer
 from .retrieval import RebuildPolicy, RetrievalCache, check_budget
 from .sampling import Sampler, draw_rows, verify_greedy, verify_sampled
 from .stats import Stats
 
-from .modes import MODES, retrieves
+from .modes import MODES, drafts as modes_draft, retrieves
 
 
 def synchronize(device: torch.device) -> None:
@@ -124,7 +125,7 @@ class Level:
         self.skip_from = 0  # never skip tokens before this position (the prompts' ends: their text matters)
         self.held = self.agreed = 0
         self.meter: Chooser | None = None  # an adaptive generator's chooser, which times decode passes
-        self.timings: list[tuple] = []  # decode passes not yet reported: (name, tokens, start, end, typical)
+        self.timings: list[tuple] = []  # decode passes not yet reported: (name, tokens, start, end, typical, count)
 
     def changed_from(self, position: int) -> None:
         """The sequence changed at `position`: what this level holds from there on is stale."""
@@ -172,19 +173,21 @@ class Level:
         self.timed(ids.shape[0], start, typical=getattr(self.model, "captures", 0) == captures)
         return torch.cat(logits)[-n_out:]
 
-    def timed(self, tokens: int, start, typical: bool = True, name: str | None = None) -> None:
+    def timed(self, tokens: int, start, typical: bool = True, name: str | None = None, count: int = 1) -> None:
         """A decode pass of `tokens` tokens began at `start` (PassClock.now()) and was just queued;
-        `name` times it as something other than this level's pass (a whole drafter->middle round)."""
+        `name` times it as something other than this level's pass (a whole drafter->middle round);
+        `count`: it stands for that many equal passes (a lookup's drafts, one call for all of them)."""
         if self.stats.phase != "prefill":
-            self.timings.append((name or self.name, tokens, start, self.clock.now(), typical))
+            self.timings.append((name or self.name, tokens, start, self.clock.now(), typical, count))
 
     def report(self) -> None:
         """Hand the passes' times to the statistics and the chooser, once the host has waited anyway."""
-        for name, tokens, start, end, typical in self.timings:
+        for name, tokens, start, end, typical, count in self.timings:
             seconds = self.clock.seconds(start, end)
-            self.stats.add_pass(name, seconds)
+            self.stats.add_pass(name, seconds, count)
             if self.meter is not None:
-                self.meter.passed(name, tokens, seconds, typical=typical)
+                for _ in range(count):
+                    self.meter.passed(name, tokens, seconds / count, typical=typical)
         self.timings.clear()
 
     def rollback(self, length: int) -> None:
@@ -248,6 +251,22 @@ class AutoregressiveProposer:
         return None if dists[0] is None else torch.cat(dists)
 
 
+class LookupProposer:
+    """Drafts looked up in the sequence (lookup.py), timed as the drafter level's passes (one per
+    draft, so the adaptive chooser prices them as it prices a model drafter's)."""
+
+    def __init__(self, lookup, level: Level, vocab: int, sampling: Sampling):
+        self.lookup, self.level, self.vocab, self.sampling = lookup, level, vocab, sampling
+
+    def propose(self, seq: Sequence, start: int, n: int):
+        begun = self.level.clock.now()
+        tokens = self.lookup.drafts(seq.ids[:start], start, n)  # the committed prefix and proposals so far
+        seq.write(start, tokens)
+        self.level.timed(1, begun, count=n)
+        self.origins = [self.level.name] * n
+        return None if self.sampling.sampler.greedy else point_masses(tokens, self.vocab, torch.float32)
+
+
 class SpeculativeProposer:
     """This level verifies `gamma` drafts of its source proposer per pass; writes n tokens drawn
     exactly from this level's model, with this level's distribution for each (passed upward)."""
@@ -295,7 +314,8 @@ class Generator:
         self.device = target.embed.weight.device
         self.stats = Stats()
         self.sampling = Sampling(cfg, self.device)
-        self.sizes = sizes = CacheSizes.of(cfg, mode, max_len)
+        self.lookup = models.lookup
+        self.sizes = sizes = CacheSizes.of(cfg, mode, max_len, model_drafter=self.lookup is None)
         proposing = models.proposing_target or target
         drafter = None
         if sizes.streaming_slack is not None:
@@ -319,7 +339,11 @@ class Generator:
             cache = StreamingCache(drafter.kv_shape(), drafter.rotary, sizes.sinks, sizes.window,
                                    slack=sizes.streaming_slack)
             self.drafter = Level("draft", drafter, cache, self.stats, self.clock, catch_up=DRAFT_CATCH_UP)
-        self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter) if lv is not None]
+        # a lookup drafter has no model and no cache: a level only in name, which times its drafts
+        self.lookup_level = None
+        if self.lookup is not None and modes_draft(mode):
+            self.lookup_level = Level("draft", None, None, self.stats, self.clock)
+        self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter, self.lookup_level) if lv is not None]
         self.chooser, self.agree = None, agree
         self.device_rounds = cfg.rounds_on_device(self.device)
         self._new_chooser()
@@ -379,9 +403,8 @@ class Generator:
         if self.cfg.adaptive and len(SUB_MODES[self.mode]) > 1:
             self.chooser = Chooser(SUB_MODES[self.mode], self.cfg.gamma1, self.cfg.gamma2, self.agree,
                                    device_rounds=self.device_rounds)
-            for level in (self.full, self.middle, self.drafter):
-                if level is not None:
-                    level.meter = self.chooser
+            for level in self.seq.levels:
+                level.meter = self.chooser
 
     def _compose(self, mode: str):
         """(proposer under the full cache, its tokens per full pass) of `mode` from this generator's levels."""
@@ -389,13 +412,20 @@ class Generator:
         if mode == "autoregressive":
             return None, 0
         if mode == "speculative":
-            return AutoregressiveProposer(self.drafter, s), cfg.gamma1
+            return self._drafts(), cfg.gamma1
         if mode == "retrieval":
             return AutoregressiveProposer(self.middle, s), cfg.gamma2
         if self.device_rounds:
+            if self.lookup is not None:
+                return DeviceRoundProposer(self.lookup_level, self.middle, cfg.gamma1, s, self.lookup), cfg.gamma2
             return DeviceRoundProposer(self.drafter, self.middle, cfg.gamma1, s), cfg.gamma2
-        drafts = AutoregressiveProposer(self.drafter, s)
-        return SpeculativeProposer(self.middle, drafts, cfg.gamma1, s, "draft->middle"), cfg.gamma2
+        return SpeculativeProposer(self.middle, self._drafts(), cfg.gamma1, s, "draft->middle"), cfg.gamma2
+
+    def _drafts(self):
+        """The drafter's proposer: a model sampling token by token, or a lookup."""
+        if self.lookup is not None:
+            return LookupProposer(self.lookup, self.lookup_level, self.models.target.cfg.vocab_size, self.sampling)
+        return AutoregressiveProposer(self.drafter, self.sampling)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompt: list[int], progress: Callable | None = None) -> int:
@@ -446,9 +476,8 @@ class Generator:
         decode pass: 260 tokens, compiled once, 3.5 s of a bench row's 'ms d' in a 0.19 s run.)"""
         old, self.stats = self.stats, Stats()
         self.stats.phase = old.phase
-        for level in (self.full, self.middle, self.drafter):
-            if level is not None:
-                level.stats = self.stats
+        for level in self.seq.levels:
+            level.stats = self.stats
         return old
 
     def _prefill_drafter(self, n: int) -> None:

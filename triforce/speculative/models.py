@@ -11,6 +11,7 @@ from triforce.model.kv import KVShape
 from triforce.model.transformer import Transformer
 
 from .config import GenerationConfig
+from .lookup import LookupDrafter
 from .modes import drafts as modes_draft, retrieves
 
 
@@ -38,7 +39,8 @@ def self_drafter(target: Transformer, rotary) -> Transformer:
 @dataclass
 class Models:
     target: Transformer
-    drafter: Transformer | None  # None: the target's own weights ("self")
+    # None: the target's own weights ("self"); a LookupDrafter: drafts looked up in the sequence, no model
+    drafter: Transformer | LookupDrafter | None
     # RoPE for the target drafting for itself when this run scaled the target's RoPE for a long
     # context: the drafter's positions are StreamingLLM slots (sinks + window), always inside the
     # trained range, where a scaling such as YaRN (new frequencies, attention temperature) only hurts
@@ -53,7 +55,12 @@ class Models:
         drafter), and whether any runs the separate drafter: the levels worth a cheaper copy."""
         drafts = any(map(modes_draft, modes))
         middle = any(map(retrieves, modes))
-        return middle or (drafts and self.drafter is None), drafts and self.drafter is not None
+        return middle or (drafts and self.drafter is None), drafts and isinstance(self.drafter, Transformer)
+
+    @property
+    def lookup(self) -> LookupDrafter | None:
+        """The drafter when it is a lookup (no model, no cache)."""
+        return self.drafter if isinstance(self.drafter, LookupDrafter) else None
 
 
 @dataclass(frozen=True)
@@ -71,13 +78,14 @@ class CacheSizes:
     window: int
 
     @classmethod
-    def of(cls, cfg: GenerationConfig, mode: str, max_len: int) -> "CacheSizes":
+    def of(cls, cfg: GenerationConfig, mode: str, max_len: int, model_drafter: bool = True) -> "CacheSizes":
+        """`model_drafter`: the drafter is a model with a StreamingLLM cache (not a lookup)."""
         # a device round (rounds.py) verifies up to gamma2 rounds of gamma1 + 1 positions
         widest = cfg.gamma2 * (cfg.gamma1 + 1) if mode == "triforce" else max(cfg.gamma1, cfg.gamma2)
         margin = max(cfg.gamma1 + cfg.gamma2, widest) + 2  # tokens one round can add beyond the committed ones
         return cls(margin=margin, widest=widest, full=max_len + margin,
                    budget=cfg.budget if retrieves(mode) else None, scratch=margin + 1,
-                   streaming_slack=max(64, margin + 4) if modes_draft(mode) else None,
+                   streaming_slack=max(64, margin + 4) if modes_draft(mode) and model_drafter else None,
                    sinks=cfg.sink_tokens, window=cfg.draft_window)
 
     def after_full_bytes(self, target: KVShape, drafter: KVShape | None) -> int:

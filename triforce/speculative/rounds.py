@@ -33,6 +33,7 @@ import math
 import torch
 
 from .graphs import GraphedModel, StaticView, capture_graph, compile_static
+from .lookup import point_masses
 from .stats import ROUND
 
 FIRST_FEED = 3  # a whole round's first drafter step feeds 3 tokens: 1-3 are new, the rest rewritten
@@ -60,10 +61,15 @@ class DeviceRoundProposer:
     full level verifies `width` positions, of which the first `made` (device count) are proposals.
 
     With `graph` set (graphs.enable_cuda_graphs / enable_compiled_passes), each round is one graph
-    (RoundGraph) whose drafter always feeds FIRST_FEED tokens first, so every round has one shape."""
+    (RoundGraph) whose drafter always feeds FIRST_FEED tokens first, so every round has one shape.
 
-    def __init__(self, drafter, middle, gamma1: int, sampling):
+    With `lookup` (lookup.LookupDrafter) the drafts are looked up in the sequence instead: `drafter`
+    is then a level in name only, which times them and counts their acceptance; there is no drafter
+    cache to catch up or shift."""
+
+    def __init__(self, drafter, middle, gamma1: int, sampling, lookup=None):
         self.drafter, self.middle, self.gamma1, self.sampling = drafter, middle, gamma1, sampling
+        self.lookup = lookup
         self.views: dict[tuple[str, int], CursorView] = {}
         self.tokens_per_round = float(gamma1 + 1)  # running mean of what a round makes; optimistic start
         self.origins: list[str] = []
@@ -95,12 +101,14 @@ class DeviceRoundProposer:
         g, device = self.gamma1, seq.ids.device
         R = self.rounds_for(gamma)
         width = R * (g + 1)
-        held = self._catch_up_drafter(seq, c)
-        self.drafter.cache.make_room(c - held + width + 1)  # the round writes at most this many slots
+        held, draft_shift = c - 1, 0
+        if self.lookup is None:
+            held = self._catch_up_drafter(seq, c)
+            self.drafter.cache.make_room(c - held + width + 1)  # the round writes at most this many slots
+            draft_shift = self.drafter.cache.length - self.drafter.cache.used
         assert self.middle.held == c - 1, (self.middle.held, c)  # absorbed up to the committed tokens
-        draft_shift = self.drafter.cache.length - self.drafter.cache.used
         middle_shift = self.middle.cache.length - self.middle.cache.used
-        whole = self._whole_rounds(c, draft_shift)
+        whole = self.graph is not None if self.lookup is not None else self._whole_rounds(c, draft_shift)
         at = torch.full((), c, dtype=torch.long, device=device)
         steps = torch.arange(g + 1, device=device)
         dists = None  # the middle level's distribution at each of the width positions (sampled runs)
@@ -142,19 +150,36 @@ class DeviceRoundProposer:
         token written after the accepted drafts. Returns (accepted, the middle's distributions or
         None). forward(level, name, ids, start, T, shift) runs a pass."""
         g = self.gamma1
-        draft_dists = []
-        for k in range(g):
-            T = first if k == 0 else 1
-            logits = forward(self.drafter, "draft", ids, at + k - T, T, draft_shift)
-            token, probs = self.sampling.pick(logits, None if uniforms is None else uniforms[k:k + 1])
-            ids.index_copy_(0, (at + k)[None], token)
-            draft_dists.append(probs)
+        if self.lookup is not None:
+            q = self._look_up(ids, at, timed=forward != self.raw_pass)
+        else:
+            draft_dists = []
+            for k in range(g):
+                T = first if k == 0 else 1
+                logits = forward(self.drafter, "draft", ids, at + k - T, T, draft_shift)
+                token, probs = self.sampling.pick(logits, None if uniforms is None else uniforms[k:k + 1])
+                ids.index_copy_(0, (at + k)[None], token)
+                draft_dists.append(probs)
+            q = None if draft_dists[0] is None else torch.cat(draft_dists)
         logits = forward(self.middle, "middle", ids, at - 1, g + 1, middle_shift)
         drafts = ids.index_select(0, at + torch.arange(g, device=ids.device))
-        q = None if draft_dists[0] is None else torch.cat(draft_dists)
         accepted, nxt, probs = self.sampling.verify(drafts, q, logits, uniforms=None if uniforms is None else uniforms[g:])
         ids.index_copy_(0, (at + accepted)[None], nxt[None])
         return accepted, probs
+
+    def _look_up(self, ids: torch.Tensor, at: torch.Tensor, timed: bool) -> torch.Tensor | None:
+        """gamma1 drafts looked up before `at` (the whole sequence buffer searched, later positions
+        masked: one shape for every round), written at [at, at + gamma1); their point masses, or None
+        when greedy."""
+        g = self.gamma1
+        begun = self.drafter.clock.now() if timed else None  # no clock inside a whole-round graph
+        tokens = self.lookup.drafts(ids, at, g)
+        ids.index_copy_(0, at + torch.arange(g, device=ids.device), tokens)
+        if timed:
+            self.drafter.timed(1, begun, count=g)
+        if self.sampling.sampler.greedy:
+            return None
+        return point_masses(tokens, self.middle.model.cfg.vocab_size, torch.float32)
 
     def view(self, name: str, T: int) -> CursorView:
         key = (name, T)
@@ -190,10 +215,11 @@ class DeviceRoundProposer:
         """The round's acceptance came back: the drafter's cache and level learn how far they got,
         statistics and origins are recorded."""
         g = self.gamma1
-        last_at = c + made - accepts[-1] - 1
-        self.drafter.cache.wrote_to(last_at + g - 1)  # the last step fed up to (not including) this position
-        self.drafter.adopt(last_at + g - 1)
-        self.drafter.changed_from(c + made - 1)  # where the middle's last token replaced a draft
+        if self.lookup is None:
+            last_at = c + made - accepts[-1] - 1
+            self.drafter.cache.wrote_to(last_at + g - 1)  # the last step fed up to (not including) this position
+            self.drafter.adopt(last_at + g - 1)
+            self.drafter.changed_from(c + made - 1)  # where the middle's last token replaced a draft
         origins = []
         for a in accepts:
             self.drafter.stats.add_acceptance("draft->middle", g, a)
@@ -222,7 +248,8 @@ class RoundGraph:
         self.shifts = torch.zeros(2, dtype=torch.long, device=device)  # drafter's, middle's
         self.uniforms = torch.zeros(2 * g + 1, dtype=torch.float64, device=device)
         for name, T in (("draft", FIRST_FEED), ("draft", 1), ("middle", g + 1)):  # made before any trace
-            proposer.view(name, T)
+            if name == "middle" or proposer.lookup is None:
+                proposer.view(name, T)
         self.fn = self._round
         if compiled:
             self.fn = compile_static(self._round, options)
@@ -248,7 +275,7 @@ class RoundGraph:
                 self.builds += 1  # the first call compiles
             return self.fn(ids, self.at, self.shifts, u)
         if self.graph is None:
-            models = (self.proposer.drafter.model, self.proposer.middle.model)
+            models = tuple(lv.model for lv in (self.proposer.drafter, self.proposer.middle) if lv.model is not None)
             self.graph, self.outputs = capture_graph(lambda: self.fn(ids, self.at, self.shifts, u), models, ids.device)
             self.builds += 1
         self.graph.replay()

@@ -1,0 +1,123 @@
+"""Drafts looked up in the sequence (speculative/lookup.py): the rule against a plain reference, the
+device form against the host form, and the engines with a lookup drafter (greedy identity, stats,
+one host read per round). The sampled distribution: test_sampling.py's LOOKUP cases; a compiled
+round: test_compiled.py."""
+import pytest
+import torch
+
+from triforce.model.loader import load_model
+from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
+from triforce.speculative.graphs import enable_cuda_graphs
+from triforce.speculative.hostsync import HostSyncCounter
+from triforce.speculative.lookup import LookupDrafter, point_masses
+from triforce.speculative.sampling import verify_sampled
+
+from ..conftest import save_tiny
+
+
+def reference_drafts(seq: list[int], n: int, longest: int) -> list[int]:
+    """The rule in plain Python: for k = longest .. 1, the latest start i < len - k whose k tokens
+    equal the last k; the n tokens after it, continuing through the drafts themselves; else the
+    last token repeated."""
+    for k in range(min(longest, len(seq) - 1), 0, -1):
+        for i in range(len(seq) - k - 1, -1, -1):
+            if seq[i:i + k] == seq[-k:]:
+                out = list(seq)
+                for j in range(n):
+                    out.append(out[i + k + j])
+                return out[len(seq):]
+    return [seq[-1]] * n
+
+
+@pytest.mark.parametrize("longest", [1, 3])
+def test_drafts_follow_the_latest_longest_match(longest):
+    gen = torch.Generator().manual_seed(0)
+    lookup = LookupDrafter(longest)
+    for trial in range(300):
+        length = int(torch.randint(1, 40, (), generator=gen))
+        vocab = int(torch.randint(2, 6, (), generator=gen))  # few ids: matches of every length, and loops
+        seq = torch.randint(0, vocab, (length,), generator=gen)
+        want = reference_drafts(seq.tolist(), 5, longest)
+        assert lookup.drafts(seq, length, 5).tolist() == want, (seq.tolist(), want)
+        # the device form: a 0-dim position, and junk past it that must be ignored
+        padded = torch.cat((seq, torch.randint(0, vocab, (9,), generator=gen)))
+        assert lookup.drafts(padded, torch.tensor(length), 5).tolist() == want
+
+
+def test_a_point_mass_draft_is_accepted_with_the_targets_probability():
+    """Speculative sampling with a deterministic draft: accept x while u < p(x); on rejection draw
+    from p with x removed, renormalised (the residual of p against a point mass)."""
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]], dtype=torch.float64)
+    draft = torch.tensor([0])
+    q = point_masses(draft, 3, torch.float32)
+    # (u_0 decides the draft, u_1 draws the next token): from p[1] when x stood, else from (0, 0.6, 0.4)
+    for u0, u1, accepted, nxt in [(0.49, 0.5, 1, 1), (0.49, 0.05, 1, 0), (0.51, 0.5, 0, 1), (0.9, 0.7, 0, 2),
+                                  (0.9, 0.0, 0, 1)]:
+        a, t = verify_sampled(draft, q, p, torch.tensor([u0, u1], dtype=torch.float64))
+        assert (int(a), int(t)) == (accepted, nxt), (u0, u1)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lookup-target")
+    save_tiny(folder, seed=11, vocab=48, layers=2)
+    return load_model(folder, torch.float64)
+
+
+def looping_prompt(n: int) -> list[int]:
+    """A prompt with repeats (as text has), so that lookups are partly accepted."""
+    base = torch.randint(0, 48, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    return [(t + (i // 23)) % 48 if i % 5 == 0 else t for i, t in zip(range(n), base * (n // 23 + 1))]
+
+
+@pytest.mark.parametrize("mode,rounds", [("speculative", "host"), ("triforce", "host"), ("triforce", "device"),
+                                         ("triforce", "whole")])
+def test_greedy_output_is_autoregressive(target, mode, rounds):
+    ids = looping_prompt(140)
+    cfg = GenerationConfig(max_new_tokens=80, budget=48, chunk_size=8, gamma1=3, gamma2=5,
+                           device_rounds=rounds != "host")
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg).tokens
+    gen = Generator(Models(target, LookupDrafter()), cfg, mode, max_len=len(ids) + 80)
+    if rounds == "whole":
+        enable_cuda_graphs(gen, eager_static=True)
+    gen.prefill(ids)
+    assert gen.generate() == reference
+    stats = gen.stats.to_dict()
+    edge = "draft->verify" if mode == "speculative" else "draft->middle"
+    assert gen.drafter is None and 0 < stats["acceptance"][edge] < 1  # drafts were looked up, some stood
+    assert stats["passes"]["draft"] == stats["timed_passes"]["draft"] + (stats["passes"]["draft"] if rounds == "whole" else 0)
+    # one draft "pass" per looked-up draft, 1 to gamma1 per verification
+    assert stats["passes"]["draft"] > stats["passes"]["middle" if mode == "triforce" else "verify"]
+    if rounds == "whole":
+        assert gen.proposers["triforce"][0].graph.runs > 5
+
+
+def test_an_adaptive_run_prices_the_lookup_and_stays_lossless(target):
+    ids = looping_prompt(140)
+    cfg = GenerationConfig(max_new_tokens=80, budget=48, chunk_size=8, gamma1=3, gamma2=5, adaptive=True)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg).tokens
+    gen = Generator(Models(target, LookupDrafter()), cfg, "triforce", max_len=len(ids) + 80)
+    gen.prefill(ids)
+    assert gen.generate() == reference
+    costs = gen.chooser.costs
+    # a lookup of 3 drafts is timed as 3 draft passes of one token, each a third of the call
+    assert costs.known("draft") and costs.estimate("draft", 1) < costs.estimate("verify", 1)
+    assert set(gen.stats.modes) >= {"autoregressive", "speculative", "retrieval", "triforce"}
+
+
+@pytest.mark.parametrize("rounds", ["device", "whole"])
+def test_device_rounds_with_lookups_read_once_per_round(target, rounds):
+    ids = looping_prompt(140)
+    cfg = GenerationConfig(max_new_tokens=40, budget=48, chunk_size=8, gamma1=3, gamma2=6, temperature=0.8,
+                           device_rounds=True)
+    gen = Generator(Models(target, LookupDrafter()), cfg, "triforce", max_len=len(ids) + 60)
+    if rounds == "whole":
+        enable_cuda_graphs(gen, eager_static=True)
+    gen.prefill(ids)
+    with HostSyncCounter() as counter:
+        steps = 0
+        while len(gen.context) < len(ids) + 40:
+            gen.step()
+            steps += 1
+    assert counter.total == steps and set(counter.by_site) == {"tolist"}
+
