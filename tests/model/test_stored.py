@@ -18,6 +18,7 @@ from triforce.model.gguf_blocks import (Blocks, GgufCheckpoint, decode_q4_1, dec
                                         encode_blocks, encode_q4_k)
 from triforce.model.gguf_loader import gguf_origin, load_gguf_model, resolve_weights, weights_summary
 from triforce.model.loader import load_model
+from triforce.model.transformer import Linear
 from triforce.model.stored import PACKED_KERNEL_MAX_ROWS, PackedLinear, concat_blocks, packed_from_blocks
 from triforce.speculative import GenerationConfig, Models, generate_ids
 from triforce.speculative.caches import FullCache
@@ -336,7 +337,7 @@ def test_q4_k_model_is_packed_where_it_can_be_and_equals_the_dense_gguf_model(ti
     assert isinstance(stored.layers[1].attention.wqkv, PackedLinear)
     split = stored.layers[0].attention.wqkv
     assert isinstance(split, StackedOutputs)
-    assert [type(p) for p in split.parts] == [PackedLinear, torch.nn.Linear]
+    assert [type(p) for p in split.parts] == [PackedLinear, Linear]  # dense: transformer.Linear (its rows exact)
     assert split.parts[0].out_features == 256 + 128 and split.parts[1].weight.shape == (128, 256)
     assert torch.equal(split.parts[1].bias, written["blk.0.attn_v.bias"].float())  # v's bias, cut from q, k, v's
     assert isinstance(stored.layers[1].mlp.w2, torch.nn.Linear) and isinstance(stored.layers[0].mlp.w2, PackedLinear)

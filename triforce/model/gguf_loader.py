@@ -22,7 +22,7 @@ from .gguf_blocks import BLOCK, FORMS, STORED_TYPES, Blocks, GgufCheckpoint
 from . import stored_avx2, stored_cache, stored_f32
 from .rope import Rotary
 from .stored import ByteCodesLinear, PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
-from .transformer import Transformer
+from .transformer import Linear, Transformer
 
 WEIGHTS = ("auto", "stored", "dequantized")
 MARKER = ".prepared.json"
@@ -254,7 +254,7 @@ class _Source:
         if self._form(names[0]) != "dense":
             return packed_from_blocks(concat_blocks([self.blocks(n) for n in names]), self.dtype, bias)
         weight = torch.cat([self.dense(n) for n in names]).to(self.dtype)
-        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         layer.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             layer.bias = nn.Parameter(bias.to(self.dtype), requires_grad=False)

@@ -23,6 +23,33 @@ from .rope import Rotary, apply_rotary
 ONE_CALL_NORM_ON_CUDA = True
 
 
+def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a dense weight, each row with the bits it gets in any pass.
+
+    A verification pass must give each token the logits its own decode step gives, or a bf16 near-tie
+    resolves one way in plain decoding and the other way in a speculative mode. torch's CPU product of
+    16-bit rows takes one kernel for a single row and another for two or more, which round differently
+    (Qwen2.5-1.5B's 151,936 x 1,536 dense head: up to 0.016 apart in a logit; a chat answer's greedy
+    text changed with the passes an adaptive run chose), while among two or more rows each row's result
+    is independent of the others (tests/model/test_dense_rows.py checks this on the machine at hand).
+    So a single 16-bit CPU row goes through the two-row kernel beside a copy of itself: as fast or
+    faster (1 and 2 threads, Qwen's shapes), and the same bits as in any verification pass."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype in ROW_PAIRED_DTYPES and x.device.type == "cpu" \
+            and not torch.compiler.is_compiling():
+        return F.linear(x.expand(2, -1), weight, bias)[:1]
+    return F.linear(x, weight, bias)
+
+
+ROW_PAIRED_DTYPES = (torch.bfloat16, torch.float16)  # float32's product (MKL) rounds rows by their count: no cure here
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose products are dense_product's: the same bits for a row whatever rows share its pass."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_product(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -53,8 +80,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.hidden_size, (n_heads + 2 * n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.wqkv = Linear(cfg.hidden_size, (n_heads + 2 * n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, cache, layer: int):
         return self._attend(x, cos, sin, cache, layer, self.wqkv, self._rotate, self.wo)
@@ -89,8 +116,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate: int):
         super().__init__()
         self.intermediate = intermediate
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)  # gate, up
-        self.w2 = nn.Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)  # down
+        self.w13 = Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)  # gate, up
+        self.w2 = Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)  # down
 
     def forward(self, x):
         return self._feed(x, self.w13, self.w2)
@@ -132,7 +159,7 @@ class Transformer(nn.Module):
         self.embed = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, n_heads, n_kv, intermediate) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_len)
 
     def kv_shape(self) -> KVShape:
@@ -181,5 +208,5 @@ class Transformer(nn.Module):
         if last_only:
             x = x[-1:]
         x = self.norm(x)
-        logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
+        logits = dense_product(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
         return logits if logits.dtype == torch.float64 else logits.float()
