@@ -70,18 +70,24 @@ def looping_prompt(n: int) -> list[int]:
     return [(t + (i // 23)) % 48 if i % 5 == 0 else t for i, t in zip(range(n), base * (n // 23 + 1))]
 
 
-@pytest.mark.parametrize("mode,rounds", [("speculative", "host"), ("triforce", "host"), ("triforce", "device"),
-                                         ("triforce", "whole")])
-def test_greedy_output_is_autoregressive(target, mode, rounds):
+@pytest.mark.parametrize("mode,rounds,offload", [("speculative", "host", False), ("triforce", "host", False),
+                                                 ("triforce", "device", False), ("triforce", "whole", False),
+                                                 ("triforce", "whole", True)])
+def test_greedy_output_is_autoregressive(target, mode, rounds, offload):
+    """Offloaded: the full cache in (here, CPU) host memory streamed per pass, as with --offload host."""
+    from triforce.offload import full_cache_factory
+
     ids = looping_prompt(140)
     cfg = GenerationConfig(max_new_tokens=80, budget=48, chunk_size=8, gamma1=3, gamma2=5,
                            device_rounds=rounds != "host")
     reference = generate_ids(Models(target, None), ids, "autoregressive", cfg).tokens
-    gen = Generator(Models(target, LookupDrafter()), cfg, mode, max_len=len(ids) + 80)
+    factory = full_cache_factory("cpu", 64, chunk_tokens=7) if offload else None
+    gen = Generator(Models(target, LookupDrafter()), cfg, mode, max_len=len(ids) + 80, full_cache_factory=factory)
     if rounds == "whole":
         enable_cuda_graphs(gen, eager_static=True)
     gen.prefill(ids)
     assert gen.generate() == reference
+    assert (gen.full.cache.bytes_moved > 0) == offload  # the offloaded cache streamed its KV
     stats = gen.stats.to_dict()
     edge = "draft->verify" if mode == "speculative" else "draft->middle"
     assert gen.drafter is None and 0 < stats["acceptance"][edge] < 1  # drafts were looked up, some stood
