@@ -180,7 +180,7 @@ def test_small_run_json(tiny_folder):
         outs[mode] = json.loads(proc.stdout)
     assert outs["triforce"]["tokens"] == outs["autoregressive"]["tokens"]
     assert outs["triforce"]["acceptance"]["middle"] is not None
-    assert outs["autoregressive"]["acceptance"] == {"draft": None, "middle": None}
+    assert outs["autoregressive"]["acceptance"] == {"draft": None, "lookup": None, "middle": None}
     # drafts looked up in the text: no drafter model, the same tokens
     proc = run("generate", "--model", tiny_folder, "--draft", "lookup", "--prompt", PROMPT, "--max-new-tokens", "12",
                "--mode", "triforce", "--budget", "64", "--chunk-size", "8", "--json")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
+from triforce.speculative.modes import adaptive_modes
 from triforce.speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCosts, Plan, full_pass, seconds_per_token
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
@@ -76,6 +77,30 @@ def test_seconds_per_token_matches_the_cost_model():
     # triforce: a middle token costs (2 x 2 + 5) / (1 + .7 + .49); four of them plus a verify, over E(.8, 4)
     per_middle = 9 / 2.19
     assert ms_per_token_from_passes("triforce", ms, acc, 2, 4) == pytest.approx((4 * per_middle + 40) / 3.3616)
+
+
+def test_a_lookup_variant_is_its_mode_with_the_lookup_in_the_drafters_place():
+    """The lookup variants are priced by the drafter's arithmetic over the 'lookup' level's costs
+    and edges (a whole round: its own timing), never the model drafter's."""
+    ms = {"draft": 2.0, "lookup": 0.1, "middle": 5.0, "verify": 40.0, "draft+middle": 9.0, "lookup+middle": 5.5}
+    acc = {"draft->verify": 0.5, "draft->middle": 0.7, "lookup->verify": 0.3, "lookup->middle": 0.4,
+           "middle->verify": 0.8}
+    renamed = {"draft": "lookup", "draft->verify": "lookup->verify", "draft->middle": "lookup->middle"}
+    for mode, variant in (("speculative", "lookup"), ("triforce", "triforce-lookup")):
+        for device_rounds in (False, True):
+            as_lookup = seconds_per_token(mode, 4, 2, lambda lv, n: ms[renamed.get(lv, lv)],
+                                          lambda e: acc[renamed.get(e, e)], device_rounds=device_rounds)
+            assert seconds_per_token(variant, 4, 2, lambda lv, n: ms[lv], lambda e: acc[e],
+                                     device_rounds=device_rounds) == pytest.approx(as_lookup)
+    chooser = Chooser(adaptive_modes("triforce", lookup=True), gamma1=2, gamma2=6)
+    teach(chooser, lambda n: 0.04, accept={"draft->middle": 0.7, "lookup->middle": 0.4, "middle->verify": 0.8})
+    assert not chooser.known("triforce-lookup")  # its level never timed
+    chooser.costs.record("lookup+middle", 2, 0.0055)
+    assert chooser.known("triforce-lookup") and chooser.known("triforce")
+    rates = chooser.acceptance.rate
+    expected = full_pass("triforce", 6, 2, chooser.costs.estimate, lambda e: rates(renamed.get(e, e)), round_cost=0.0055)
+    assert chooser.predict(Plan("triforce-lookup", 6)) == pytest.approx(expected[0] / expected[1])
+    assert chooser.order == ("autoregressive", "retrieval", "speculative", "lookup", "triforce", "triforce-lookup")
 
 
 # ------------------------------------------------------------------------------ choices
@@ -401,7 +426,8 @@ def test_greedy_identical_whatever_the_plans(pair, monkeypatch, mode, scrambled)
         monkeypatch.setattr(Chooser, "PROBE_MAX", 16)
     result = generate_ids(Models(target, drafter), ids, mode, cfg)
     assert result.tokens == reference.tokens
-    assert set(result.stats.modes) == set(SUB_MODES[mode])  # every mode ran: exploration, probes
+    # every mode ran (exploration, probes), lookups in the drafter's place included
+    assert set(result.stats.modes) == set(adaptive_modes(mode, lookup=True))
     assert sum(result.stats.modes.values()) == result.stats.full_passes
 
 
@@ -464,7 +490,7 @@ def test_generate_reports_the_passes_per_mode(tiny_folder):
     a, f = json.loads(adaptive.stdout), json.loads(fixed.stdout)
     assert a["tokens"] == f["tokens"]  # greedy: the same tokens whichever passes ran
     assert a["adaptive"] and list(a["modes"])[:2] == ["autoregressive", "retrieval"]
-    assert set(a["modes"]) <= set(SUB_MODES["triforce"]) and sum(a["modes"].values()) == a["full_passes"]
+    assert set(a["modes"]) <= set(adaptive_modes("triforce", lookup=True)) and sum(a["modes"].values()) == a["full_passes"]
     assert not f["adaptive"] and f["modes"] == {}
     assert "adaptive over triforce's levels" in table.stdout and "full-cache passes per mode" in table.stdout
     assert "vs plain decoding" in table.stdout

@@ -111,6 +111,18 @@ def test_an_adaptive_run_prices_the_lookup_and_stays_lossless(target):
     assert set(gen.stats.modes) >= {"autoregressive", "speculative", "retrieval", "triforce"}
 
 
+def assert_one_read_per_round(gen: Generator, until: int) -> int:
+    """Steps gen until its context holds `until` tokens; each full pass's round read the host once
+    (the committed tokens). Returns the steps."""
+    with HostSyncCounter() as counter:
+        steps = 0
+        while len(gen.context) < until:
+            gen.step()
+            steps += 1
+    assert counter.total == steps and set(counter.by_site) == {"tolist"}
+    return steps
+
+
 @pytest.mark.parametrize("rounds", ["device", "whole"])
 def test_device_rounds_with_lookups_read_once_per_round(target, rounds):
     ids = looping_prompt(140)
@@ -120,10 +132,64 @@ def test_device_rounds_with_lookups_read_once_per_round(target, rounds):
     if rounds == "whole":
         enable_cuda_graphs(gen, eager_static=True)
     gen.prefill(ids)
-    with HostSyncCounter() as counter:
-        steps = 0
-        while len(gen.context) < len(ids) + 40:
-            gen.step()
-            steps += 1
-    assert counter.total == steps and set(counter.by_site) == {"tolist"}
+    steps = assert_one_read_per_round(gen, len(ids) + 40)
 
+
+
+# ------------------------------------------------------------------------------ beside a model drafter
+
+
+@pytest.mark.parametrize("rounds", ["host", "device", "whole"])
+def test_lookups_beside_a_model_drafter_keep_greedy_output(target, monkeypatch, rounds):
+    """An adaptive run with a model drafter also runs its modes with lookups in the drafter's place
+    ('lookup', 'triforce-lookup'): every plan in a random order, each level timed under its own name,
+    tokens those of autoregressive decoding (float64)."""
+    import random
+
+    from triforce.speculative.adaptive import Chooser
+    from triforce.speculative.modes import adaptive_modes
+
+    rng = random.Random(len(rounds))
+    monkeypatch.setattr(Chooser, "_choose", lambda self: rng.choice(self.plans))
+    ids = looping_prompt(140)
+    cfg = GenerationConfig(max_new_tokens=120, budget=48, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                           sink_tokens=4, adaptive=True, device_rounds=rounds != "host")
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg).tokens
+    gen = Generator(Models(target, target), cfg, "triforce", max_len=len(ids) + 140)
+    if rounds == "whole":
+        enable_cuda_graphs(gen, eager_static=True)
+    gen.prefill(ids)
+    assert gen.generate() == reference
+    stats = gen.stats.to_dict()
+    assert gen.modes == adaptive_modes("triforce", lookup=True) and set(stats["modes"]) == set(gen.modes)
+    assert {"lookup->verify", "lookup->middle", "draft->verify", "draft->middle"} <= set(stats["acceptance"])
+    assert stats["passes"]["lookup"] > 0 and stats["passes"]["draft"] > 0
+    if rounds == "whole":  # each drafter's rounds are their own graph, timed under their own name
+        assert gen.proposers["triforce-lookup"][0].graph.runs > 0 and gen.proposers["triforce"][0].graph.runs > 0
+        assert stats["seconds"]["lookup+middle"] > 0 and stats["seconds"]["draft+middle"] > 0
+    assert gen.chooser.known("triforce-lookup") and gen.chooser.costs.known("lookup")
+
+
+def test_lookups_beside_a_drafter_are_off_without_adaptive_or_with_lookup_false(target):
+    ids = looping_prompt(60)
+    for cfg in (GenerationConfig(budget=32, chunk_size=8), GenerationConfig(budget=32, chunk_size=8, adaptive=True, lookup=False)):
+        gen = Generator(Models(target, target), cfg, "triforce", max_len=len(ids) + 140)
+        assert "triforce-lookup" not in gen.modes and gen.lookup is None and gen.lookup_level is None
+    gen = Generator(Models(target, target), GenerationConfig(budget=32, chunk_size=8, adaptive=True), "retrieval",
+                    max_len=len(ids) + 140)
+    assert gen.modes == ("retrieval", "autoregressive")  # no drafter level asked for, none added
+
+
+def test_lookups_beside_a_drafter_read_once_per_round(target, monkeypatch):
+    """Sampled device rounds of the lookup variant, each round one graph: one host read per full pass."""
+    from triforce.speculative.adaptive import Chooser, Plan
+
+    monkeypatch.setattr(Chooser, "_choose", lambda self: Plan("triforce-lookup", 6))
+    ids = looping_prompt(140)
+    cfg = GenerationConfig(max_new_tokens=40, budget=48, chunk_size=8, gamma1=3, gamma2=6, temperature=0.8,
+                           device_rounds=True, adaptive=True, draft_window=16)
+    gen = Generator(Models(target, target), cfg, "triforce", max_len=len(ids) + 60)
+    enable_cuda_graphs(gen, eager_static=True)
+    gen.prefill(ids)
+    steps = assert_one_read_per_round(gen, len(ids) + 40)
+    assert gen.stats.modes == {"triforce-lookup": steps} and gen.stats.passes["draft"] == 0

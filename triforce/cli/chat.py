@@ -46,8 +46,8 @@ HELP = """[bold]/stats[/]       statistics of the last answer
 [bold]/help[/]        this list
 [bold]/quit[/]        leave (Ctrl-D works too)
 Ctrl-C stops an answer and returns to the prompt."""
-COLOURS = {"draft": "\x1b[36m", "middle": "\x1b[32m"}  # the verifier's own tokens stay plain
-LEGEND = "colours: [cyan]drafter[/], [green]retrieval level[/], plain = full-cache verifier"
+COLOURS = {"draft": "\x1b[36m", "lookup": "\x1b[35m", "middle": "\x1b[32m"}  # the verifier's own tokens stay plain
+LEGEND = "colours: [cyan]drafter[/], [magenta]lookup[/], [green]retrieval level[/], plain = full-cache verifier"
 
 
 def parse_args(argv) -> ChatOptions:

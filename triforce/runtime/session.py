@@ -227,6 +227,7 @@ class Session:
             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
             "tokens_per_second": stats.tokens_per_second,
             "acceptance": {"draft": acc.get("draft->middle", acc.get("draft->verify")),
+                           "lookup": acc.get("lookup->middle", acc.get("lookup->verify")),
                            "middle": acc.get("middle->verify")},
             "tokens_per_full_pass": stats.tokens_per_full_pass, "full_passes": stats.full_passes,
             "bytes_moved": stats.bytes_moved,

@@ -60,6 +60,7 @@ class Settings:
     rebuild_threshold: float = 0.0
     prefill_chunk: int | None = None
     adaptive: bool = True  # each full pass runs the mode measured cheapest (lossless either way)
+    lookup: bool = True  # adaptive, with a model drafter: also weigh drafts looked up in the text in its place
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,7 +169,7 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
         gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
         draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
         prefill_chunk=run.prefill_chunk,  # None: the device's default piece (GenerationConfig.prefill_piece)
-        adaptive=run.adaptive, device_rounds=run.device_rounds)
+        adaptive=run.adaptive, lookup=run.lookup, device_rounds=run.device_rounds)
 
 
 def generation_plan(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):

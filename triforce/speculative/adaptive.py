@@ -39,8 +39,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from .modes import LEVELS, SUB_MODES, drafts  # noqa: F401 (SUB_MODES: the modes a hierarchy can run)
-from .stats import ROUND
+from .modes import ALL_LEVELS, SHAPE, SUB_MODES, drafts, first_level  # noqa: F401 (SUB_MODES: the modes a hierarchy can run)
+from .stats import round_name
 
 
 def tokens_per_verification(a: float, gamma: int) -> float:
@@ -79,39 +79,38 @@ def seconds_per_token(mode: str, gamma: int, gamma1: int, cost: Callable[[str, i
 def full_pass(mode: str, gamma: int, gamma1: int, cost: Callable[[str, int], float], accept: Callable[[str], float],
               overhead: float = 0.0, round_cost: float | None = None, device_rounds: bool = False) -> tuple[float, float]:
     """(seconds, expected committed tokens) of one full pass of `mode` at `gamma` with its proposals:
-    seconds_per_token's numerator and denominator."""
+    seconds_per_token's numerator and denominator. A lookup variant (modes.LOOKUP_VARIANT) is priced
+    as its mode with the level 'lookup' in the drafter's place."""
     e = tokens_per_verification
-    if mode == "autoregressive":
+    shape, d = SHAPE[mode], first_level(mode)
+    if shape == "autoregressive":
         return cost("verify", 1) + overhead, 1.0
-    if mode == "speculative":
-        return gamma * cost("draft", 1) + cost("verify", gamma + 1) + overhead, e(accept("draft->verify"), gamma)
-    if mode == "retrieval":
+    if shape == "speculative":
+        return gamma * cost(d, 1) + cost("verify", gamma + 1) + overhead, e(accept(f"{d}->verify"), gamma)
+    if shape == "retrieval":
         return gamma * cost("middle", 1) + cost("verify", gamma + 1) + overhead, e(accept("middle->verify"), gamma)
-    if mode == "triforce":
-        if round_cost is None:
-            round_cost = gamma1 * cost("draft", 1) + cost("middle", gamma1 + 1)
-        per_round = e(accept("draft->middle"), gamma1)
-        if device_rounds:
-            rounds = max(1, math.ceil(gamma / per_round - 1e-9))
-            width = rounds * (gamma1 + 1)
-            return rounds * round_cost + cost("verify", width + 1) + overhead, e(accept("middle->verify"), rounds * per_round)
-        per_middle_token = round_cost / per_round
-        return gamma * per_middle_token + cost("verify", gamma + 1) + overhead, e(accept("middle->verify"), gamma)
-    raise ValueError(f"unknown mode {mode!r}")
+    if round_cost is None:
+        round_cost = gamma1 * cost(d, 1) + cost("middle", gamma1 + 1)
+    per_round = e(accept(f"{d}->middle"), gamma1)
+    if device_rounds:
+        rounds = max(1, math.ceil(gamma / per_round - 1e-9))
+        width = rounds * (gamma1 + 1)
+        return rounds * round_cost + cost("verify", width + 1) + overhead, e(accept("middle->verify"), rounds * per_round)
+    per_middle_token = round_cost / per_round
+    return gamma * per_middle_token + cost("verify", gamma + 1) + overhead, e(accept("middle->verify"), gamma)
 
 
 def needs(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(levels timed, acceptance edges counted) before `mode` can be predicted."""
-    return {"autoregressive": (("verify",), ()),
-            "speculative": (("draft", "verify"), ("draft->verify",)),
-            "retrieval": (("middle", "verify"), ("middle->verify",)),
-            "triforce": (("draft", "middle", "verify"), ("draft->middle", "middle->verify"))}[mode]
+    """(levels timed, acceptance edges counted) before `mode` can be predicted: its levels, and each
+    level's proposals to the one above."""
+    levels = ALL_LEVELS[mode]
+    return levels, tuple(f"{a}->{b}" for a, b in zip(levels, levels[1:]))
 
 
 def max_gamma(mode: str, gamma1: int, gamma2: int) -> int:
     """The longest run of proposals per full pass a mode is tried with: gamma2 for the middle level's
     runs; the drafter alone as long as either (a speculative-only run's configured length is gamma1)."""
-    return {"autoregressive": 0, "speculative": max(gamma1, gamma2)}.get(mode, gamma2)
+    return {"autoregressive": 0, "speculative": max(gamma1, gamma2)}.get(SHAPE[mode], gamma2)
 
 
 class PassCosts:
@@ -223,7 +222,7 @@ class Chooser:
         # the order modes are first tried in: plain decoding (it times verify(1), which every
         # prediction leans on), then by the levels they run, so that a mode's best case is bounded by
         # the passes the modes before it timed
-        self.order = tuple(sorted(modes, key=lambda m: len(LEVELS[m])))
+        self.order = tuple(sorted(modes, key=lambda m: len(ALL_LEVELS[m])))
         self.plans = [Plan(m, g) for m in modes for g in range(1 if m != "autoregressive" else 0,
                                                                  max_gamma(m, gamma1, gamma2) + 1)]
         self.costs, self.acceptance = PassCosts(), Acceptance()
@@ -264,18 +263,20 @@ class Chooser:
 
     def known(self, mode: str) -> bool:
         levels, edges = needs(mode)
-        if mode == "triforce" and self.costs.known(ROUND):  # whole rounds timed: their passes need not be
-            levels = ("verify",)
+        if SHAPE[mode] == "triforce" and self.costs.known(round_name(first_level(mode))):
+            levels = ("verify",)  # whole rounds timed: their passes need not be
         return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
 
     def predict(self, plan: Plan) -> float:
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
-                                 self.overhead.get(plan.mode, 0.0), self._round_cost(self.costs.estimate),
+                                 self.overhead.get(plan.mode, 0.0), self._round_cost(plan.mode, self.costs.estimate),
                                  self.device_rounds)
 
-    def _round_cost(self, cost: Callable[[str, int], float]) -> float | None:
-        """A drafter->middle round as measured whole, where rounds ran as one graph (rounds.RoundGraph)."""
-        return cost(ROUND, self.gamma1) if self.costs.known(ROUND) else None
+    def _round_cost(self, mode: str, cost: Callable[[str, int], float]) -> float | None:
+        """A drafter->middle round of `mode` as measured whole, where rounds ran as one graph
+        (rounds.RoundGraph); None for a mode without such rounds or before one was timed."""
+        name = round_name(first_level(mode))
+        return cost(name, self.gamma1) if SHAPE[mode] == "triforce" and self.costs.known(name) else None
 
     def bound(self, plan: Plan) -> float:
         """The best case of a plan given what is measured: every proposal on an edge never seen
@@ -288,7 +289,7 @@ class Chooser:
             return self.acceptance.rate(edge) if self.acceptance.known(edge) else 1.0
 
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, cost, accept, self.overhead.get(plan.mode, 0.0),
-                                 self._round_cost(cost), self.device_rounds)
+                                 self._round_cost(plan.mode, cost), self.device_rounds)
 
     def best(self, mode: str | None = None) -> Plan:
         """The plan predicted cheapest (of `mode`'s plans when given); a mode not measured yet runs
@@ -342,7 +343,7 @@ class Chooser:
         (a mode not yet predictable is priced at its best case)."""
         if self.known(probe.mode):  # bound is its best case: every proposal accepted
             seconds, tokens = full_pass(probe.mode, probe.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
-                                        self.overhead.get(probe.mode, 0.0), self._round_cost(self.costs.estimate),
+                                        self.overhead.get(probe.mode, 0.0), self._round_cost(probe.mode, self.costs.estimate),
                                         self.device_rounds)
             per_token = seconds / tokens
         else:

@@ -44,6 +44,8 @@ class GenerationConfig:
     # distribution, not its text. Off here (an engine asked for a mode runs that mode: tests, benchmarks);
     # generate.py and chat.py turn it on (--adaptive, their default)
     adaptive: bool = False
+    # an adaptive run whose drafter is a model also weighs lookups in its place (modes.LOOKUP_VARIANT)
+    lookup: bool = True
     stop_on_eos: bool = False
     # triforce's drafter->middle rounds with no host read inside (rounds.py): None decides by device
     device_rounds: bool | None = None

@@ -36,17 +36,17 @@ from triforce.model import cpu_pool
 from triforce.model.errors import UserError
 from triforce.model.transformer import Transformer
 
-from .adaptive import SUB_MODES, Chooser
+from .adaptive import Chooser
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
-from .lookup import point_masses
+from .lookup import LookupDrafter, point_masses
 from .models import CacheSizes, Models, Prefilled, self_drafter
 from .rounds import DeviceRoundProposer
 from .retrieval import RebuildPolicy, RetrievalCache, check_budget
 from .sampling import Sampler, draw_rows, verify_greedy, verify_sampled
 from .stats import Stats
 
-from .modes import MODES, drafts as modes_draft, retrieves
+from .modes import ALL_LEVELS, MODES, SHAPE, adaptive_modes, drafts as modes_draft, proposing_level, retrieves
 
 
 def synchronize(device: torch.device) -> None:
@@ -314,8 +314,11 @@ class Generator:
         self.device = target.embed.weight.device
         self.stats = Stats()
         self.sampling = Sampling(cfg, self.device)
-        self.lookup = models.lookup
-        self.sizes = sizes = CacheSizes.of(cfg, mode, max_len, model_drafter=self.lookup is None)
+        # lookups: the drafter itself (--draft lookup), or weighed beside a model drafter (adaptive)
+        beside = cfg.adaptive and cfg.lookup and models.lookup is None and modes_draft(mode)
+        self.lookup = models.lookup or (LookupDrafter() if beside else None)
+        self.modes = adaptive_modes(mode, beside) if cfg.adaptive else (mode,)
+        self.sizes = sizes = CacheSizes.of(cfg, mode, max_len, model_drafter=models.lookup is None)
         proposing = models.proposing_target or target
         drafter = None
         if sizes.streaming_slack is not None:
@@ -340,14 +343,15 @@ class Generator:
                                    slack=sizes.streaming_slack)
             self.drafter = Level("draft", drafter, cache, self.stats, self.clock, catch_up=DRAFT_CATCH_UP)
         # a lookup drafter has no model and no cache: a level only in name, which times its drafts
+        # (named as the drafter where it is the drafter, "lookup" beside a model drafter)
         self.lookup_level = None
         if self.lookup is not None and modes_draft(mode):
-            self.lookup_level = Level("draft", None, None, self.stats, self.clock)
+            self.lookup_level = Level("lookup" if beside else "draft", None, None, self.stats, self.clock)
         self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter, self.lookup_level) if lv is not None]
         self.chooser, self.agree = None, agree
         self.device_rounds = cfg.rounds_on_device(self.device)
         self._new_chooser()
-        self.proposers = {m: self._compose(m) for m in SUB_MODES[mode]}
+        self.proposers = {m: self._compose(m) for m in self.modes}
         self.gamma = self.proposers[mode][1]  # the fixed mode's proposals per full pass
         self.max_width = sizes.widest  # the most positions a full pass verifies
         self.context: list[int] = []  # the host's copy of seq.ids[:committed], extended once per round
@@ -400,30 +404,32 @@ class Generator:
 
     def _new_chooser(self) -> None:
         """An adaptive generator's chooser, knowing nothing yet, timing every level's passes."""
-        if self.cfg.adaptive and len(SUB_MODES[self.mode]) > 1:
-            self.chooser = Chooser(SUB_MODES[self.mode], self.cfg.gamma1, self.cfg.gamma2, self.agree,
+        if len(self.modes) > 1:
+            self.chooser = Chooser(self.modes, self.cfg.gamma1, self.cfg.gamma2, self.agree,
                                    device_rounds=self.device_rounds)
             for level in self.seq.levels:
                 level.meter = self.chooser
 
     def _compose(self, mode: str):
         """(proposer under the full cache, its tokens per full pass) of `mode` from this generator's levels."""
-        cfg, s = self.cfg, self.sampling
-        if mode == "autoregressive":
+        cfg, s, shape = self.cfg, self.sampling, SHAPE[mode]
+        looked_up = self.models.lookup is not None or "lookup" in ALL_LEVELS[mode]
+        if shape == "autoregressive":
             return None, 0
-        if mode == "speculative":
-            return self._drafts(), cfg.gamma1
-        if mode == "retrieval":
+        if shape == "speculative":
+            return self._drafts(looked_up), cfg.gamma1
+        if shape == "retrieval":
             return AutoregressiveProposer(self.middle, s), cfg.gamma2
         if self.device_rounds:
-            if self.lookup is not None:
+            if looked_up:
                 return DeviceRoundProposer(self.lookup_level, self.middle, cfg.gamma1, s, self.lookup), cfg.gamma2
             return DeviceRoundProposer(self.drafter, self.middle, cfg.gamma1, s), cfg.gamma2
-        return SpeculativeProposer(self.middle, self._drafts(), cfg.gamma1, s, "draft->middle"), cfg.gamma2
+        source = self._drafts(looked_up)
+        return SpeculativeProposer(self.middle, source, cfg.gamma1, s, f"{source.level.name}->middle"), cfg.gamma2
 
-    def _drafts(self):
+    def _drafts(self, looked_up: bool):
         """The drafter's proposer: a model sampling token by token, or a lookup."""
-        if self.lookup is not None:
+        if looked_up:
             return LookupProposer(self.lookup, self.lookup_level, self.models.target.cfg.vocab_size, self.sampling)
         return AutoregressiveProposer(self.drafter, self.sampling)
 
@@ -600,7 +606,7 @@ class Generator:
         for level in self.seq.levels:
             level.report()
         if width:
-            edge = ("draft" if mode == "speculative" else "middle") + "->verify"
+            edge = f"{proposing_level(mode)}->verify"
             self.stats.add_acceptance(edge, proposed, n_accepted)
             if self.chooser is not None:
                 self.chooser.acceptance.record(edge, proposed, n_accepted)

@@ -34,7 +34,7 @@ import torch
 
 from .graphs import GraphedModel, StaticView, capture_graph, compile_static
 from .lookup import point_masses
-from .stats import ROUND
+from .stats import round_name
 
 FIRST_FEED = 3  # a whole round's first drafter step feeds 3 tokens: 1-3 are new, the rest rewritten
 
@@ -137,9 +137,9 @@ class DeviceRoundProposer:
         g, builds = self.gamma1, self.graph.builds
         begun = self.middle.clock.now()
         accepted, probs = self.graph.run(ids, at, draft_shift, middle_shift, uniforms)
-        self.middle.timed(g, begun, typical=self.graph.builds == builds, name=ROUND)
+        self.middle.timed(g, begun, typical=self.graph.builds == builds, name=round_name(self.drafter.name))
         if self.middle.stats.phase != "prefill":
-            self.drafter.stats.add_pass("draft", None, count=g)
+            self.drafter.stats.add_pass(self.drafter.name, None, count=g)
             self.middle.stats.add_pass("middle", None)
         return accepted, probs
 
@@ -220,11 +220,11 @@ class DeviceRoundProposer:
             self.drafter.cache.wrote_to(last_at + g - 1)  # the last step fed up to (not including) this position
             self.drafter.adopt(last_at + g - 1)
             self.drafter.changed_from(c + made - 1)  # where the middle's last token replaced a draft
-        origins = []
+        origins, edge = [], f"{self.drafter.name}->middle"
         for a in accepts:
-            self.drafter.stats.add_acceptance("draft->middle", g, a)
+            self.drafter.stats.add_acceptance(edge, g, a)
             if self.middle.meter is not None:
-                self.middle.meter.acceptance.record("draft->middle", g, a)
+                self.middle.meter.acceptance.record(edge, g, a)
             origins += [self.drafter.name] * a + [self.middle.name]
         self.origins = origins
         per_round = made / len(accepts)

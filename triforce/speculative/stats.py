@@ -5,7 +5,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 ROUND = "draft+middle"  # a drafter->middle round run as one graph (rounds.RoundGraph): timed as a whole
-LEVEL_ORDER = ("draft", "middle", ROUND, "verify")
+LOOKUP_ROUND = "lookup+middle"  # the same with lookups beside a model drafter (modes.LOOKUP_VARIANT)
+LEVEL_ORDER = ("draft", "lookup", "middle", ROUND, LOOKUP_ROUND, "verify")
+
+
+def round_name(drafter: str) -> str:
+    """What a whole drafter->middle round is timed as, by the name of the level that drafts in it."""
+    return LOOKUP_ROUND if drafter == "lookup" else ROUND
 
 
 @dataclass
