@@ -80,10 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser, adaptive: bool | None = None) ->
                             "gamma up to --gamma2) this run's own timings and acceptance say is cheapest per "
                             "token; lossless either way, but a seed then fixes a sampled run's distribution, "
                             "not its text (default: on)")
-        g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=DEFAULTS.lookup,
-                       help="with --adaptive and a model drafter, also weigh drafting by lookup in its place (the "
-                            "tokens that followed the text's last 1-3 tokens where they last appeared; no weights "
-                            "read), run where it measures cheaper: a quotation, code, a loop (default: on)")
+    g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=DEFAULTS.lookup,
+                   help="adaptive runs with a model drafter also weigh drafting by lookup in its place (the tokens "
+                        "that followed the text's last 1-3 tokens where they last appeared; no weights read), "
+                        "run where it measures cheaper: a quotation, code, a loop (default: on)")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     g.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: the checkpoint's generation_config.json, greedy if it has none)")

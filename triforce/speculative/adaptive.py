@@ -31,6 +31,10 @@ intervals this replaced (every 16 passes, then 32, ... 256), side by side with p
 without bf16 at 16K (float32, one thread) 0.93x -> 0.97x; the 4K job on 2 bf16 cores, where nothing
 beats plain decoding and a probe loses 2-3 plain passes, 0.92-1.00x -> 0.95-0.96x over 512 tokens;
 at 16K, where the levels win, 1.17x -> 1.15x (within run-to-run noise).
+
+Beside a model drafter the modes that draft also come with lookups in its place (modes.LOOKUP_VARIANT:
+'lookup', 'triforce-lookup'), priced by the same arithmetic over the 'lookup' level's timings and
+edges: which drafter pays changes within a run (a quotation is looked up, prose is not).
 """
 from __future__ import annotations
 
