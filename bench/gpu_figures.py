@@ -68,7 +68,8 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     # below is the exact-token check
     host = [*bench, "--contexts", contexts, "--offload", "host", "--dtype", "bfloat16"]
     resident = [*bench, "--contexts", contexts, "--offload", "none", "--dtype", "bfloat16"]
-    out.append(("kv host greedy", [*host, "--systems", OURS + ",hf-offloaded", *greedy]))
+    # the adaptive default weighs lookups beside its drafter (session 26); beside it, the default without
+    out.append(("kv host greedy", [*host, "--systems", OURS + ",adaptive-no-lookup,hf-offloaded", *greedy]))
     # SmolLM2 drafting for itself costs what its middle pass costs (~850 kernels each), so a
     # drafter->middle round cannot beat the middle level alone; drafts looked up in the sequence cost
     # a few kernels (speculative/lookup.py): triforce's levels with them, at 32K, greedy and sampled
@@ -86,7 +87,7 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     out.append(("compiled kv host greedy", [
         *compiled_host, "autoregressive,retrieval,retrieval-compiled,triforce,triforce-compiled,adaptive-compiled",
         *greedy]))
-    out.append(("kv host sampled", [*host, "--systems", OURS, *sampled]))
+    out.append(("kv host sampled", [*host, "--systems", OURS + ",adaptive-no-lookup", *sampled]))
     out.append(("lookup kv host sampled", [*lookup, *sampled]))
     # inductor's on-disk cache serves the kernels the greedy step compiled
     out.append(("compiled kv host sampled", [*compiled_host, "autoregressive,retrieval,retrieval-compiled,adaptive-compiled",

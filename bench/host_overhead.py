@@ -29,7 +29,7 @@ from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.engine import MODES
 from triforce.speculative.graphs import enable_compiled_passes
 from triforce.speculative.hostsync import HostSyncCounter
-from triforce.speculative.stats import ROUND
+from triforce.speculative.stats import LOOKUP_ROUND, ROUND
 
 PROGRESS_AFTER_SECONDS = 10.0
 
@@ -105,7 +105,7 @@ def measure_mode(models, args, mode: str, temperature: float, prompt: list[int])
     start = time.perf_counter()
     tokens = len(gen.generate()) - 1
     seconds = time.perf_counter() - start
-    passes = sum(n for level, n in gen.stats.passes.items() if level != ROUND)  # a whole round is its passes
+    passes = sum(n for level, n in gen.stats.passes.items() if level not in (ROUND, LOOKUP_ROUND))  # a whole round is its passes
 
     gen, rounds = fresh(), 0
     with HostSyncCounter() as waits:

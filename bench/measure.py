@@ -15,7 +15,7 @@ from triforce.speculative.engine import synchronize
 OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems, measured by default
 # ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding and triforce with --compile
 VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "retrieval-compiled", "triforce-compiled",
-            "adaptive-compiled")
+            "adaptive-compiled", "adaptive-no-lookup")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
@@ -24,7 +24,9 @@ SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 "autoregressive-compiled": ("autoregressive", {"compile": True}, ["--no-adaptive", "--compile"]),
                 "retrieval-compiled": ("retrieval", {"compile": True}, ["--no-adaptive", "--compile"]),
                 "triforce-compiled": ("triforce", {"compile": True}, ["--no-adaptive", "--compile"]),
-                "adaptive-compiled": ("triforce", {"adaptive": True, "compile": True}, ["--compile"])}
+                "adaptive-compiled": ("triforce", {"adaptive": True, "compile": True}, ["--compile"]),
+                # the adaptive default without lookups beside its model drafter (the default before session 26)
+                "adaptive-no-lookup": ("triforce", {"adaptive": True, "lookup": False}, ["--no-lookup"])}
 
 
 def engine_mode(system: str) -> str:
