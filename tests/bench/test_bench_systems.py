@@ -313,3 +313,19 @@ def test_compiled_systems_warm_up_until_every_width_is_compiled():
     assert HOT_AFTER > 1
     assert all(bench.our_warmups(s) == HOT_AFTER for s in measure.VARIANTS if s.endswith("-compiled"))
     assert all(bench.our_warmups(s) == 1 for s in (*measure.OURS, "triforce-device", "triforce-host"))
+
+
+@pytest.mark.parametrize("extra,expect", [([], "the target itself (--draft self), with lookups weighed beside it"),
+                                          (["--no-lookup"], "the target itself (--draft self)"),
+                                          (["--no-adaptive"], "the target itself (--draft self)"),
+                                          (["--draft", "lookup"], "lookups in the text (--draft lookup)"),
+                                          (["--mode", "retrieval"], None)])
+def test_the_statistics_say_which_drafter_proposes(tiny, extra, expect):
+    from triforce.cli import generate
+
+    target, book = tiny
+    opts = generate.parse_args(_flags(target, "--prompt-file", str(book), *extra))
+    session = Session(opts.run, book.read_text())
+    rows = dict(session.choices(session.plan_generation()))
+    assert rows.get("drafter") == (expect if expect is None or "beside" not in expect else
+                                   expect + " (--no-lookup: without)")

@@ -24,7 +24,7 @@ from triforce.model.quant import resolve_lower_weights, with_lower_weights
 from triforce.model.tensor_parallel import check_shardable
 from triforce.parallel import resolve_device, setup_tensor_parallel
 from triforce.speculative import Generator
-from triforce.speculative.modes import MODES
+from triforce.speculative.modes import MODES, drafts
 
 from .defaults import auto_dtype, auto_threads
 from .loading import load, resolve_dtype
@@ -260,6 +260,8 @@ class Session:
                          + (" (--weights auto)" if run.weights == "auto" else "")))
         if getattr(self, "kv_dtype", None) is not None:
             rows.append(("KV cache", _dtype_name(self.kv_dtype) + (" (--kv-dtype auto)" if run.kv_dtype == "auto" else "")))
+        if cfg is not None and drafts(run.mode):
+            rows.append(("drafter", self._drafter_text(cfg)))
         if cfg is not None and run.mode == "triforce":
             device_rounds = cfg.rounds_on_device(self.device)
             rows.append(("drafter->middle rounds", ("on the device, one host read per full pass" if device_rounds
@@ -270,6 +272,16 @@ class Session:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else
                          f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))
         return rows
+
+    def _drafter_text(self, cfg) -> str:
+        """Which drafter proposes, for the statistics: a model folder's name, the target itself, or
+        lookups; an adaptive run with a model drafter says it weighs lookups beside it."""
+        draft = self.draft
+        text = {"self": "the target itself (--draft self)", "lookup": "lookups in the text (--draft lookup)"}.get(
+            draft, Path(draft).name)
+        if draft != "lookup" and cfg.adaptive and cfg.lookup:
+            text += ", with lookups weighed beside it (--no-lookup: without)"
+        return text
 
     def close(self) -> None:
         if self.dist:
