@@ -148,7 +148,26 @@ def test_levels_passed_per_token(start):
 def test_show_levels_colours(start):
     c = start()
     rc, out = run_repl(c, ["t5 t6 t7"], show_levels=True)
-    assert rc == 0 and "drafter" in out and "\x1b[" in out
+    assert rc == 0 and "drafter" in out and "lookup" in out and "\x1b[" in out
+
+
+def test_looked_up_tokens_are_their_own_level(start, monkeypatch):
+    """Adaptive chat with a model drafter: passes with lookups in its place stay lossless, and the
+    tokens they propose are shown as the lookup level's (magenta with --show-levels)."""
+    from triforce.speculative.adaptive import Chooser, Plan
+
+    plans = [Plan("lookup", 3), Plan("triforce-lookup", 3), Plan("triforce", 3)]
+    monkeypatch.setattr(Chooser, "_choose", lambda self: plans[self.passes % 3])
+    c = start("--adaptive", stops=frozenset())
+    seen = []
+    answer = c.ask("t5 t6 t7 t5 t6 t7 t5 t6", lambda new, levels: seen.append((list(new), list(levels))))
+    check_lossless(c, answer)
+    levels = [lv for new, lvs in seen for lv in lvs[:len(new)]]
+    assert set(answer.stats.modes) == {"lookup", "triforce-lookup", "triforce"}
+    assert set(levels) <= {"draft", "lookup", "middle", "verify"} and "lookup" in levels
+    accepted = answer.stats.accepted
+    assert levels.count("lookup") <= accepted["lookup->verify"] + accepted["lookup->middle"]
+    assert answer.stats.proposed["lookup->verify"] and answer.stats.proposed["lookup->middle"]
 
 
 # ------------------------------------------------------------------------------------- Ctrl-C
