@@ -22,7 +22,9 @@ The top level verifies gamma proposals per pass against the full cache and commi
     triforce        target + retrieval cache, fed by drafter + StreamingLLM cache
 
 With `adaptive`, a generator builds the mode's levels and before each full pass picks whichever of
-the modes those levels make (and its gamma) its measurements predict cheapest (adaptive.py).
+the modes those levels make (and its gamma) its measurements predict cheapest (adaptive.py); where
+the drafter is a model, those modes include the drafting ones with lookups in its place
+(`lookup`, `triforce-lookup`: modes.LOOKUP_VARIANT), proposed by a level named "lookup".
 """
 from __future__ import annotations
 
