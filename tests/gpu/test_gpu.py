@@ -147,6 +147,30 @@ def test_a_captured_round_samples_what_the_eager_round_samples(models):
 
 
 @cuda
+def test_lookups_beside_the_drafter_capture_their_own_rounds(models, monkeypatch):
+    """An adaptive run with lookups beside its model drafter, every plan in a random order: the
+    captured run gives the eager static run's tokens, which are plain decoding's, and each drafter's
+    rounds replay their own graph."""
+    import random
+    from dataclasses import replace
+
+    from triforce.speculative.adaptive import Chooser
+
+    target, drafter = models
+    reference, _, _ = run(Models(target, None), "autoregressive")
+    cfg = replace(CFG, adaptive=True)
+    outs = {}
+    for graphs in ("static", "cuda"):
+        rng = random.Random(4)
+        monkeypatch.setattr(Chooser, "_choose", lambda self: rng.choice(self.plans))
+        outs[graphs], gen, _ = run(Models(target, drafter), "triforce", graphs=graphs, cfg=cfg)
+    assert outs["cuda"] == outs["static"] == reference
+    assert {"lookup", "triforce-lookup"} <= set(gen.stats.modes)
+    for mode in ("triforce", "triforce-lookup"):
+        assert gen.proposers[mode][0].graph.graph is not None, mode
+
+
+@cuda
 @pytest.mark.parametrize("graphs", [None, "cuda"])
 def test_device_rounds_on_cuda_read_once_per_round(models, graphs):
     """Triforce's device rounds (the CUDA default) and its host-driven rounds decode the
