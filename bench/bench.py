@@ -39,6 +39,7 @@ measured in this run; n/a on CPU).
     python -m bench.bench --quick           # 1K context, 16 tokens, 1 repeat: AR, triforce, adaptive, hf-generate
     python -m bench.bench --contexts 4096,16384,32768 --new-tokens 128 --out bench.json   # + bench.png
     python -m bench.bench --model models/qwen2.5-coder-1.5b --contexts 4096,16384 --dtype bfloat16
+    python -m bench.bench --systems autoregressive,adaptive,adaptive-no-lookup --learned   # steady state
 """
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ class BenchPlan:
     plot: str | None
     accept_ties: bool
     quick: bool = False
+    learned: bool = False  # adaptive systems keep what their chooser learned in the runs before
 
 
 def parse_args(argv) -> BenchPlan:
@@ -106,6 +108,10 @@ def parse_args(argv) -> BenchPlan:
                    help="do not fail on a transformers run whose tokens diverge only at logit ties (fed our tokens, it "
                         f"ranks each first or within {TIE_ULPS} units in the last place of the dtype of its top logit); "
                         "still shown as NO in the table")
+    p.add_argument("--learned", action="store_true",
+                   help="adaptive systems keep what their chooser learned in the warm-up and earlier repeats, as a "
+                        "chat's later answers do (the steady state), instead of trying every mode afresh in each "
+                        "timed run, as a new process does: a short run is otherwise mostly exploration")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     contexts, new_tokens, repeats = ((QUICK["contexts"], QUICK["new_tokens"], QUICK["repeats"]) if args.quick
@@ -119,7 +125,7 @@ def parse_args(argv) -> BenchPlan:
     threads = QUICK["threads"] if args.quick and args.threads is None else args.threads
     run = run_config(args, max_new_tokens=new_tokens, context=max(contexts), threads=threads)
     return BenchPlan(run, contexts, systems, new_tokens, repeats, args.prompt_file, args.out, args.plot,
-                     args.accept_ties, args.quick)
+                     args.accept_ties, args.quick, args.learned)
 
 
 def _contexts(flag: str) -> tuple[int, ...]:
@@ -249,7 +255,7 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
                 if mode in HF:
                     tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, base, scores=rep == 0)
                 else:
-                    tokens, seconds, stats = timed_run(gens[mode], prefilled)
+                    tokens, seconds, stats = timed_run(gens[mode], prefilled, learned=plan.learned)
                     stats, margins = stats.to_dict(), None
             session.console.print(f"  [dim]{context} {'warm-up' if rep == 0 else f'rep {rep}'} {mode}: "
                                   f"{(len(tokens) - 1) / seconds:.2f} tok/s[/]")
@@ -393,7 +399,7 @@ def report(plan: BenchPlan, run: RunConfig, draft: str, rows, hw: dict, line: st
             "settings": {"new_tokens": plan.new_tokens, "repeats": plan.repeats, "contexts": list(plan.contexts),
                          "temperature": run.temperature, "top_p": run.top_p, "seed": run.seed,
                          "prompt_file": str(plan.prompt_file or BOOK), "offload": run.offload,
-                         "lower_weights": run.lower_weights,
+                         "lower_weights": run.lower_weights, "learned": plan.learned,
                          "hf_assisted_defaults": {"num_assistant_tokens": 20, "schedule": "constant",
                                                   "assistant_confidence_threshold": 0.4}},
             "notes": {"bytes_read_per_token": "modelled: weights (int8 proposers: 1 byte each) + KV each pass reads, "

@@ -66,7 +66,9 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     greedy, sampled = ["--accept-ties"], ["--temperature", "0.8"]
     # bfloat16 greedy runs may part at logit ties (rounding, which the bench names); the float32 step
     # below is the exact-token check
-    host = [*bench, "--contexts", contexts, "--offload", "host", "--dtype", "bfloat16"]
+    # with the KV in host memory the adaptive rows are the steady state (--learned: each timed run goes
+    # on from what the warm-up learned); 64 tokens of a fresh chooser are mostly its first tries
+    host = [*bench, "--contexts", contexts, "--offload", "host", "--dtype", "bfloat16", "--learned"]
     resident = [*bench, "--contexts", contexts, "--offload", "none", "--dtype", "bfloat16"]
     # the adaptive default weighs lookups beside its drafter (session 26); beside it, the default without
     out.append(("kv host greedy", [*host, "--systems", OURS + ",adaptive-no-lookup,hf-offloaded", *greedy]))
@@ -75,7 +77,7 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     # a few kernels (speculative/lookup.py): triforce's levels with them, at 32K, greedy and sampled
     longest = contexts.split(",")[-1]
     lookup = [*bench_with("lookup"), "--contexts", longest, "--offload", "host", "--dtype", "bfloat16",
-              "--systems", "autoregressive,retrieval,speculative,triforce,adaptive"]
+              "--learned", "--systems", "autoregressive,retrieval,speculative,triforce,adaptive"]
     out.append(("lookup kv host greedy", [*lookup, *greedy]))
     # transformers' static cache compiles once per context (minutes with both): the 32K figure that
     # session 23's lease could not finish comes second

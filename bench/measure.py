@@ -68,11 +68,12 @@ def build_system(session, mode, cfg, prefilled, max_len, models=None):
     return gen
 
 
-def timed_run(gen, prefilled):
+def timed_run(gen, prefilled, learned: bool = False):
     """(tokens, seconds, stats) of one decode from the shared prefill. The generator is put back at
     the prefill first, so one generator serves every repetition: what its first run captured (CUDA
-    graphs) is replayed, not captured again inside the clock."""
-    gen.resume(prefilled.prompt, prefilled.queries, prefilled.first)
+    graphs) is replayed, not captured again inside the clock. `learned`: an adaptive generator keeps
+    what its chooser learned in the runs before (Generator.resume)."""
+    gen.resume(prefilled.prompt, prefilled.queries, prefilled.first, learned=learned)
     synchronize(gen.device)
     start = time.perf_counter()
     tokens = gen.generate()

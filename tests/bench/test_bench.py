@@ -84,6 +84,17 @@ def test_bench_assisted_with_a_drafter(tmp_path, models):
     assert assisted["tokens_per_full_pass"] >= 1
 
 
+def test_bench_learned_keeps_the_adaptive_choosers_figures(tmp_path, models):
+    """--learned: the timed runs of an adaptive system go on from what its warm-up learned; the
+    tokens are the same and the JSON says so."""
+    target, _, book = models
+    rc, data = _run(tmp_path, "--model", str(target), "--draft", "self", "--prompt-file", str(book),
+                    "--contexts", "128", "--systems", "autoregressive,adaptive", "--learned")
+    assert rc == 0 and data["settings"]["learned"] is True
+    got = {r["system"]: r for r in data["rows"]}
+    assert got["adaptive"]["same_tokens"] is True and got["adaptive"]["modes"]
+
+
 def test_bench_rejects_unknown_system(tmp_path, models, capsys):
     from triforce.cli.common import run_cli
 

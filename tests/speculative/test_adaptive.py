@@ -478,6 +478,26 @@ def test_a_chat_generator_keeps_what_it_learned(pair):
     assert gen.chooser is chooser and chooser.passes > before and all(chooser.known(m) for m in learned)
 
 
+def test_a_resumed_generator_learns_afresh_unless_asked_to_keep_what_it_learned(pair):
+    """resume() starts a chooser afresh, as a new process would; with learned=True it keeps its
+    figures (a benchmark's steady state: bench.bench --learned), and the tokens stay the target's."""
+    target, drafter = pair
+    ids = torch.randint(0, 48, (130,), generator=torch.Generator().manual_seed(4)).tolist()
+    cfg = GenerationConfig(max_new_tokens=40, budget=48, chunk_size=8, adaptive=True)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg).tokens
+    gen = Generator(Models(target, drafter), cfg, "triforce", max_len=400)
+    gen.prefill(ids)
+    start = gen.snapshot()
+    assert gen.generate() == reference
+    chooser, passes = gen.chooser, gen.chooser.passes
+    gen.resume(start.prompt, start.queries, start.first, learned=True)
+    assert gen.chooser is chooser and chooser.passes == passes and gen.stats.full_passes == 0
+    assert gen.generate() == reference and chooser.passes > passes
+    gen.resume(start.prompt, start.queries, start.first)
+    assert gen.chooser is not chooser and gen.chooser.passes == 0
+    assert gen.generate() == reference
+
+
 def test_generate_reports_the_passes_per_mode(tiny_folder):
     prompt = " ".join(f"t{i % 60 + 3}" for i in range(200))
     args = ["--model", tiny_folder, "--draft", "self", "--prompt", prompt, "--max-new-tokens", 40,

@@ -370,14 +370,16 @@ class Generator:
         queries = [q[-1].clone() for q in self.full.cache.queries]
         return Prefilled(self.full.cache, prompt, self.context[-1], queries, self.stats.prefill_seconds)
 
-    def resume(self, prompt: list[int], queries: list[torch.Tensor], first: int | None = None) -> None:
+    def resume(self, prompt: list[int], queries: list[torch.Tensor], first: int | None = None,
+               learned: bool = False) -> None:
         """Stand where prefill(prompt) left a generator, given a full cache that holds at least the
         prompt's K/V in its first len(prompt) slots (a snapshot's, one loaded from disk, or this
         generator's own after a conversation) and the last prompt token's rotated queries (Hq, D) per
         layer. With `first`, that sampled token follows the prompt (as after prefill); without it the
         context ends with the prompt (as after truncate(len(prompt)): a chat's user turn comes next).
         Sampling restarts from the seed, and statistics and an adaptive chooser's figures start
-        afresh, so what follows does not depend on where the prompt's cache came from."""
+        afresh, so what follows does not depend on where the prompt's cache came from; with `learned`
+        the chooser keeps what it learned (as a chat's later turns do: a benchmark of the steady state)."""
         self.stats.phase = "prefill"  # the retrieval build and the drafter's window belong to prefill
         try:
             self.full.cache.rollback(len(prompt))
@@ -387,7 +389,8 @@ class Generator:
             self.full.adopt(len(prompt))
             self.committed = len(self.context)
             self.sampling.generator.manual_seed(self.cfg.seed)
-            self._new_chooser()  # an adaptive run learns afresh, as a new process would
+            if not (learned and self.chooser is not None):
+                self._new_chooser()  # an adaptive run learns afresh, as a new process would
             self.reset_stats()
             self.stats.prompt_tokens = len(prompt)
             if self.middle is not None:
