@@ -42,8 +42,13 @@ def raw_h2d(nbytes: int, device: torch.device, repeats: int = 5) -> float:
 
 
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
-    with torch.device(device):
-        model = Transformer(cfg).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: Llama-2-7B built in float32 first takes 27 GB
+    try:
+        with torch.device(device):
+            model = Transformer(cfg).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)

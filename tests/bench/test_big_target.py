@@ -1,0 +1,76 @@
+"""bench.big_target: every mode measured through the engine at a target's shape on random weights, and
+each mode's tokens per second projected from those costs by the chooser's arithmetic at given
+acceptance rates (on CPU, rehearsed at tiny shapes)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import big_target
+from triforce.speculative.adaptive import Chooser, tokens_per_verification
+
+
+def test_rehearsal_measures_every_level_and_projects_every_mode(tmp_path):
+    out = tmp_path / "big.json"
+    done = subprocess.run([sys.executable, "-m", "bench.big_target", "--rehearse", "--new-tokens", "12",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    runs = figures["measured"]["runs"]
+    assert list(runs) == list(big_target.MODES)
+    levels = {"autoregressive": {"verify"}, "speculative": {"draft", "verify"}, "retrieval": {"middle", "verify"}}
+    for mode, run in runs.items():
+        assert run["tokens"] == 12 and run["full_passes"] >= 1 and run["ms_per_token"] > 0
+        assert levels.get(mode, {"verify"}) <= set(run["ms_per_pass"])
+    costs = figures["measured"]["pass_costs_ms"]
+    assert {"verify", "middle", "draft"} <= set(costs) and "1" in costs["verify"]
+    rows = figures["projected (acceptance given, costs measured)"]
+    assert len(rows) == 2 * len(big_target.MIDDLE_RATES) * len(big_target.DRAFT_RATES)
+    for row in rows:
+        assert set(big_target.MODES) <= set(row)
+        assert all(row[m]["gamma"] <= row["gamma_cap"] for m in big_target.MODES)
+    assert "PROJECTED" in done.stdout and "MEASURED" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_one_line_naming_the_rehearsal():
+    done = subprocess.run([sys.executable, "-m", "bench.big_target"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--rehearse" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def measured_meter() -> Chooser:
+    """A chooser that measured: a full pass 300 ms at any width, a middle pass 4 ms, a drafter pass 1 ms."""
+    meter = Chooser(big_target.MODES, 4, 16)
+    for width in (1, 5, 17):
+        meter.costs.record("verify", width, 0.300)
+        meter.costs.record("verify", width, 0.300)
+    for level, seconds in (("middle", 0.004), ("draft", 0.001)):
+        for width in (1, 5):
+            meter.costs.record(level, width, seconds)
+            meter.costs.record(level, width, seconds)
+    return meter
+
+
+def test_projection_is_the_choosers_arithmetic_at_the_given_rates():
+    meter = measured_meter()
+    projected = big_target.project(meter, {m: 0.0 for m in big_target.MODES}, middle=0.9, draft=0.6, cap=16)
+    assert projected["autoregressive"] == (pytest.approx(300.0), 0)
+    ms, gamma = projected["retrieval"]
+    by_gamma = {g: 1e3 * (g * 0.004 + 0.300) / tokens_per_verification(0.9, g) for g in range(1, 17)}
+    assert gamma == min(by_gamma, key=by_gamma.get) and ms == pytest.approx(by_gamma[gamma])
+    # better acceptance is never dearer; a cap never lets a longer run in
+    assert big_target.project(meter, {}, middle=0.95, draft=0.6, cap=16)["retrieval"][0] < ms
+    assert big_target.project(meter, {}, middle=0.9, draft=0.6, cap=6)["retrieval"][1] <= 6
+    # the meter's own measured acceptance is left as it was
+    assert not meter.acceptance.known("middle->verify")
+
+
+def test_a_rounds_overhead_is_priced_per_full_pass():
+    meter = measured_meter()
+    without = big_target.project(meter, {}, middle=0.9, draft=0.6, cap=6)["retrieval"]
+    overhead = big_target.project(meter, {"retrieval": 0.010}, middle=0.9, draft=0.6, cap=6)["retrieval"]
+    gamma = overhead[1]
+    assert overhead[0] == pytest.approx(1e3 * (gamma * 0.004 + 0.310) / tokens_per_verification(0.9, gamma))
+    assert overhead[0] > without[0]
