@@ -3,6 +3,7 @@
 Models run in float64 so "the same tokens as a fresh run" is exact whatever the chunking.
 """
 import io
+import json
 import random
 import re
 from dataclasses import replace
@@ -234,6 +235,31 @@ def test_cache_round_trip(start, tmp_path, capsys):
     check_lossless(second, b)
     nocache = start("--no-cache", stops=frozenset())
     assert nocache.ask("t5 t6 t7").tokens == a.tokens
+
+
+def test_what_the_chooser_learned_is_kept_for_the_next_start(start, tmp_path, capsys):
+    """An adaptive chat keeps its chooser's figures beside the saved cache: the next start on the
+    book begins from them (no first tries), still lossless; another setting, a damaged file or
+    --no-cache start afresh without a word; /reset keeps what was learned."""
+    first = start("--adaptive", stops=frozenset())
+    assert not first.relearned
+    first.ask("t5 t6 t7")
+    kept = sorted((tmp_path / "cache").glob("*.chooser.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["state"]["costs"]["verify"]
+    capsys.readouterr()
+    second = start("--adaptive", stops=frozenset())
+    assert second.relearned and "learned of each mode's speed" in capsys.readouterr().err
+    assert all(used is not None for used in second.gen.chooser.last_used.values())
+    assert second.gen.chooser.summary() == first.gen.chooser.summary()
+    check_lossless(second, second.ask("t5 t6 t7"))
+    chooser = second.gen.chooser
+    second.reset()
+    assert second.gen.chooser is chooser
+    assert not start("--adaptive", "--gamma2", "2", stops=frozenset()).relearned  # other plans
+    kept[0].write_text("{not json")
+    assert not start("--adaptive", stops=frozenset()).relearned
+    assert not start("--adaptive", "--no-cache", stops=frozenset()).relearned
+    assert not start(stops=frozenset()).relearned  # one mode: no chooser, nothing kept or read
 
 
 @pytest.mark.parametrize("where", ["data", "header", "truncated"])

@@ -228,6 +228,36 @@ def test_every_mode_is_tried_first_plain_decoding_then_by_levels():
         Plan("retrieval", 3), Plan("speculative", 3), Plan("triforce", 3)]
 
 
+def test_a_restored_chooser_predicts_as_the_one_it_came_from_and_tries_nothing_first():
+    """state() -> JSON -> restore(): the same predictions; no first tries (plain decoding's warm-up
+    passes still come first), and a restored cost gives way to two fresh passes of its width."""
+    learned = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
+    teach(learned, verify=lambda n: 1.0 + 0.001 * n, draft=0.005, middle=0.05,
+          accept={"draft->middle": 0.75, "draft->verify": 0.25, "middle->verify": 0.75})
+    learned.overhead["triforce"], learned.probe_loss["retrieval"] = 0.002, 0.01
+    restored = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
+    restored.restore(json.loads(json.dumps(learned.state())))
+    assert restored.summary() == learned.summary()  # JSON keeps a float exactly
+    assert [restored.choose() for _ in range(Chooser.WARM_PASSES + 1)] == \
+        [Plan("autoregressive", 0)] * Chooser.WARM_PASSES + [Plan("triforce", 6)]
+    restored.costs.record("verify", 1, 3.0)  # a slow first pass after the load replaces the restored cost
+    assert restored.costs.estimate("verify", 1) == 3.0
+    restored.costs.record("verify", 1, 2.0)  # and the second replaces it: only then do passes average
+    assert restored.costs.estimate("verify", 1) == 2.0
+    restored.costs.record("verify", 1, 1.0)
+    assert 1.0 < restored.costs.estimate("verify", 1) < 2.0
+
+
+@pytest.mark.parametrize("state", [{}, {"costs": {"verify": {"x": 1.0}}, "acceptance": {}, "overhead": {}, "probe_loss": {}},
+                                   {"costs": {}, "acceptance": {"middle->verify": [[1]]}, "overhead": {}, "probe_loss": {}},
+                                   {"costs": [], "acceptance": {}, "overhead": {}, "probe_loss": {}}])
+def test_malformed_state_raises_before_anything_changes(state):
+    chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=3)
+    with pytest.raises((KeyError, ValueError, TypeError, AttributeError)):
+        chooser.restore(state)
+    assert not chooser.costs.mean and not chooser.acceptance.recent and all(v is None for v in chooser.last_used.values())
+
+
 def test_probes_cost_a_bounded_share_and_a_mode_far_behind_is_probed_rarely():
     """A nearly flat full pass, proposals nearly always rejected: plain decoding is best, retrieval a
     little behind, speculative and triforce further behind by their overheads. Each mode is probed, at

@@ -5,7 +5,8 @@
 
 The book goes into the system prompt of the model's chat template. Its prefilled KV cache is
 saved under --cache-dir, keyed by model, dtype, book and settings, so the next start on the same
-book skips the prefill. Questions are appended to the cache (the book is never prefilled again)
+book skips the prefill (and an adaptive chat starts from what the last one learned of each mode's
+speed there, kept beside it). Questions are appended to the cache (the book is never prefilled again)
 and answers stream as the engine accepts tokens.
 Commands: /stats /reset /save FILE /help /quit. Ctrl-C stops an answer; Ctrl-D or Ctrl-C at the
 prompt quits.
@@ -60,9 +61,11 @@ def parse_args(argv) -> ChatOptions:
     g = p.add_argument_group("chat")
     g.add_argument("--room", type=int, default=2048, help="tokens kept for the conversation after the book "
                    "(default %(default)s); /reset frees them")
-    g.add_argument("--cache-dir", default=None, help="where prefilled books are kept "
-                   "(default $XDG_CACHE_HOME/triforce-chat or ~/.cache/triforce-chat)")
-    g.add_argument("--no-cache", action="store_true", help="neither read nor write a saved cache")
+    g.add_argument("--cache-dir", default=None, help="where prefilled books are kept, with what the adaptive "
+                   "chooser learned of each mode's speed on them (default $XDG_CACHE_HOME/triforce-chat or "
+                   "~/.cache/triforce-chat)")
+    g.add_argument("--no-cache", action="store_true", help="neither read nor write a saved cache (nor what "
+                   "the chooser learned)")
     g.add_argument("--show-levels", action="store_true", help="colour each token by the level that produced it")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)

@@ -216,14 +216,19 @@ def cache_path(cache_dir: str | None, book: Book, key: dict) -> Path:
     return Path(root).expanduser() / f"{stem}-{digest}{rank}.safetensors"
 
 
+def saved_cache(opts: ChatOptions, session, book: Book) -> tuple[Path | None, dict | None]:
+    """(file, key) of the book's saved cache for this session; (None, None) with ChatOptions.no_cache."""
+    if opts.no_cache:
+        return None, None
+    key = cache_key(session, book)
+    return cache_path(opts.cache_dir, book, key), key
+
+
 def load_or_prefill(opts: ChatOptions, session, gen, book: Book, report: Reporter) -> list[torch.Tensor]:
     """The book's last-token queries, with its K/V in gen's full cache: from disk when a valid
     saved cache exists (on every rank), else by prefilling (and saving for next time). The prefill
     writes checkpoints as it goes (beside the saved cache), so an interrupted one resumes."""
-    path = key = None
-    if not opts.no_cache:
-        key = cache_key(session, book)
-        path = cache_path(opts.cache_dir, book, key)
+    path, key = saved_cache(opts, session, book)
     queries = None
     if path is not None and path.exists():
         start = time.perf_counter()

@@ -12,13 +12,17 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
+
+import torch
 
 from triforce.model.errors import UserError
 from triforce.speculative.stats import Stats
 
 from .book import (Book, ChatOptions, Reporter, choose_chat_model, load_or_prefill, prepare_book, reading_warning,
-                   stop_ids)
+                   saved_cache, stop_ids)
+from . import learned
 from .defaults import MODELS_DIR
 from .settings import generation_plan, with_sampling
 from .text import read_text
@@ -37,9 +41,13 @@ class Answer:
 class Chat:
     """The conversation over a prefilled book: turns are appended to the generator's caches."""
 
-    def __init__(self, gen, tokenizer, book: Book, queries, stops: frozenset, session=None):
+    def __init__(self, gen, tokenizer, book: Book, queries, stops: frozenset, session=None,
+                 learned_file: Path | None = None):
+        """`learned_file`: where what the adaptive chooser learns is kept for the next start on this
+        book (runtime/learned.py); read here, rewritten after every answer."""
         self.gen, self.tok, self.book, self.queries, self.stops = gen, tokenizer, book, queries, stops
-        self.session = session
+        self.session, self.learned_file = session, learned_file
+        self.threads = torch.get_num_threads()
         self.is_main = session is None or session.is_main  # under torchrun only rank 0 writes files
         dist = session.dist if session is not None else None
         self.share = dist.share if dist is not None else (lambda read: read())  # rank 0 reads the terminal
@@ -47,6 +55,7 @@ class Chat:
         self.log: list[Answer | None] = []  # everything said, None marking a /reset (for /save)
         self.last: Answer | None = None
         gen.resume(book.prompt, queries)
+        self.relearned = learned_file is not None and learned.load(learned_file, gen, self.threads)
 
     def ask(self, question: str, on_tokens=None) -> Answer:
         """Answer one question. A Ctrl-C while the question is read raises KeyboardInterrupt with
@@ -91,12 +100,14 @@ class Chat:
         self.turns.append(answer)
         self.log.append(answer)
         self.last = answer
+        if self.learned_file is not None:
+            learned.save(self.learned_file, gen, self.threads)
         return answer
 
     def reset(self) -> None:
         """Back to the book alone: the conversation was only appended, so the book's K/V are intact."""
-        with held_interrupts():
-            self.gen.resume(self.book.prompt, self.queries)
+        with held_interrupts():  # what the chooser learned of this book and machine still holds
+            self.gen.resume(self.book.prompt, self.queries, learned=True)
         self.turns = []
         self.log.append(None)
 
@@ -170,4 +181,9 @@ def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callab
         session = open_session(sized, tok)
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(opts, session, gen, book, report)
-    return Chat(gen, tok, book, queries, stop_ids(tok, book.fmt, run.model), session)
+    cache_file, _ = saved_cache(opts, session, book)
+    chat = Chat(gen, tok, book, queries, stop_ids(tok, book.fmt, run.model), session,
+                learned.state_path(cache_file) if cache_file is not None else None)
+    if chat.relearned:
+        report.note("starting from what the last chat on this book learned of each mode's speed")
+    return chat

@@ -141,6 +141,12 @@ class PassCosts:
         self.mean[level][tokens] = seconds if seen < 2 else self.decay * old + (1 - self.decay) * seconds
         self.samples[level][tokens] = seen + 1
 
+    def assume(self, level: str, tokens: int, seconds: float) -> None:
+        """An estimate from elsewhere (an earlier run's): it stands until two passes replace it."""
+        self._known.clear()
+        self.mean[level][tokens] = seconds
+        self.samples[level][tokens] = 0
+
     def known(self, level: str) -> bool:
         return bool(self.mean.get(level))
 
@@ -178,6 +184,11 @@ class Acceptance:
         if proposed:
             self.recent[edge].append((accepted, int(accepted < proposed)))
             self._rates.pop(edge, None)
+
+    def recall(self, edge: str, history: list[tuple[int, int]]) -> None:
+        """(successes, failures) of an earlier run's verifications, as if recorded before this one's."""
+        self.recent[edge].extend(history)
+        self._rates.pop(edge, None)
 
     def known(self, edge: str) -> bool:
         return bool(self.recent.get(edge))
@@ -360,6 +371,33 @@ class Chooser:
             return False
         loss = max(self.loss(self.longest(mode), best), self.probe_loss.get(mode, 0.0))
         return since >= self.PROBE_MAX or loss <= self.PROBE_SHARE * (self.elapsed - self.last_time[mode])
+
+    def state(self) -> dict:
+        """What this chooser learned, as JSON-able data: each level's pass costs by width, each
+        edge's recent verifications, each mode's round overhead and what its probes lost."""
+        return {"costs": {level: {str(n): s for n, s in widths.items()} for level, widths in self.costs.mean.items()},
+                "acceptance": {edge: [list(v) for v in history] for edge, history in self.acceptance.recent.items()},
+                "overhead": dict(self.overhead), "probe_loss": dict(self.probe_loss)}
+
+    def restore(self, state: dict) -> None:
+        """Start from what an earlier run learned (`state()`), as if every mode had been tried: the
+        first passes go to the plan those figures price cheapest, and the others come back as probes
+        when due. A restored cost stands only until two fresh passes of that width replace it
+        (PassCosts): the machine may be busier now, and the first pass after a load is a warm-up.
+        Malformed data raises (ValueError, TypeError, KeyError, AttributeError) before anything changes."""
+        costs = {level: {int(n): float(s) for n, s in widths.items()} for level, widths in state["costs"].items()}
+        history = {edge: [(int(a), int(f)) for a, f in pairs] for edge, pairs in state["acceptance"].items()}
+        overhead = {m: float(v) for m, v in state["overhead"].items() if m in self.modes}
+        probe_loss = {m: float(v) for m, v in state["probe_loss"].items() if m in self.modes}
+        for level, widths in costs.items():
+            for tokens, seconds in widths.items():
+                self.costs.assume(level, tokens, seconds)
+        for edge, pairs in history.items():
+            self.acceptance.recall(edge, pairs)
+        self.overhead.update(overhead)
+        self.probe_loss.update(probe_loss)
+        for mode in self.modes:
+            self.last_used[mode], self.last_time[mode] = 0, 0.0
 
     def summary(self) -> dict:
         """What the chooser believes now: predicted ms per token of each mode at its best gamma."""
