@@ -360,7 +360,7 @@ def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
     graph (a one-time cost, hundreds of times a replay) counts in its round, not in the level's
     costs, or the moving average would keep a cheap graphed level looking dear for dozens of passes."""
     from triforce.speculative.caches import FullCache
-    from triforce.speculative.engine import Level, PassClock, Sequence
+    from triforce.speculative.levels import Level, PassClock, Sequence
     from triforce.speculative.stats import Stats
 
     save_tiny(tmp_path, seed=2, vocab=48)

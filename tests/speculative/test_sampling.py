@@ -123,7 +123,7 @@ def wrong_residual(p, q):
                                                     ("speculative", LOOKUP, {})])
 def test_wrong_residual_is_caught(models, monkeypatch, mode, use_drafter, extra):
     original = sampling.verify_sampled
-    monkeypatch.setattr("triforce.speculative.engine.verify_sampled",
+    monkeypatch.setattr("triforce.speculative.levels.verify_sampled",
                         lambda *a, **k: original(*a, **k, residual=wrong_residual))
     exact = exact_joint(models[0], Sampler(SETTINGS["temperature"]))
     counts = sample_joint(drafter_of(models, use_drafter), mode, {**SETTINGS, **extra})

@@ -1,6 +1,6 @@
 """Triforce's drafter->middle rounds with no host decision inside (issue 22, item 4).
 
-The host-driven proposer (engine.SpeculativeProposer) reads each middle-level verification's
+The host-driven proposer (levels.SpeculativeProposer) reads each middle-level verification's
 acceptance to learn where the drafter goes next: one wait per middle pass. Here the position where
 the next drafts go is a device tensor (`at`), and every pass has a shape fixed before the round:
 
