@@ -29,6 +29,7 @@ import gc
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from triforce.cli.common import run_cli
 from triforce.model.config import ModelConfig
 from triforce.model.errors import UserError
 from triforce.speculative import GenerationConfig, Generator, Models
-from triforce.speculative.adaptive import Chooser
+from triforce.speculative.adaptive import Acceptance, Chooser, Plan
 from triforce.speculative.stats import LEVEL_ORDER
 
 MODES = ("autoregressive", "speculative", "retrieval", "triforce")
@@ -57,33 +58,67 @@ def config_of(shape: ModelShape, positions: int) -> ModelConfig:
 
 
 class FixedRates:
-    """Acceptance as the chooser reads it, at given rates per edge (drafter edges share one)."""
+    """Acceptance as the chooser reads it, at given rates per edge."""
 
-    def __init__(self, middle: float, draft: float):
-        self.rates = {"middle->verify": middle, "draft->middle": draft, "draft->verify": draft}
+    def __init__(self, rates: dict[str, float]):
+        self.rates = rates
 
     def known(self, edge: str) -> bool:
-        return True
+        return edge in self.rates
 
     def rate(self, edge: str) -> float:
         return self.rates[edge]
 
 
+def rates_at(middle: float, draft: float) -> dict[str, float]:
+    """Every edge's rate: the middle level's to the full one, and the drafter's (to either)."""
+    return {"middle->verify": middle, "draft->middle": draft, "draft->verify": draft}
+
+
+@contextmanager
+def pricing(meter: Chooser, overheads: dict[str, float], rates: dict[str, float]):
+    """The meter's measured costs with these overheads and acceptance rates, for as long as it is held."""
+    saved = meter.acceptance, meter.overhead
+    meter.acceptance, meter.overhead = FixedRates(rates), dict(overheads)
+    try:
+        yield meter
+    finally:
+        meter.acceptance, meter.overhead = saved
+
+
 def project(meter: Chooser, overheads: dict[str, float], middle: float, draft: float, cap: int) -> dict:
     """{mode: (ms per token, gamma)} at its best gamma <= cap, priced by the chooser's arithmetic from
     the costs `meter` measured, each mode's round overhead, and acceptance at the given rates."""
-    measured_acceptance, meter.acceptance = meter.acceptance, FixedRates(middle, draft)
-    meter.overhead = dict(overheads)
-    try:
-        out = {}
+    out = {}
+    with pricing(meter, overheads, rates_at(middle, draft)):
         for mode in MODES:
             plans = [p for p in meter.plans if p.mode == mode and p.gamma <= cap]
             if plans and meter.known(mode):
                 best = min(plans, key=meter.predict)
                 out[mode] = (1e3 * meter.predict(best), best.gamma)
-        return out
-    finally:
-        meter.acceptance = measured_acceptance
+    return out
+
+
+def check(meter: Chooser, overheads: dict[str, float], runs: dict, gammas: dict[str, int]) -> dict:
+    """{mode: ms per token} that the same arithmetic predicts for each timed run: its own plan at the
+    acceptance it saw. Beside the measured figure it tests the projection where both are known."""
+    out = {}
+    for mode, run in runs.items():
+        with pricing(meter, overheads, run["rates"]):
+            if meter.known(mode):
+                out[mode] = 1e3 * meter.predict(Plan(mode, gammas[mode]))
+    return out
+
+
+def seen_rates(acceptance: Acceptance) -> dict[str, float]:
+    """Each edge's rate per proposal as a run saw it: successes over successes and failures, without
+    the chooser's prior (one run's few verifications are all there is to go on)."""
+    out = {}
+    for edge, history in acceptance.recent.items():
+        successes, failures = sum(s for s, _ in history), sum(f for _, f in history)
+        if successes + failures:
+            out[edge] = successes / (successes + failures)
+    return out
 
 
 def with_graphs(gen: Generator, cuda: bool) -> Generator:
@@ -116,6 +151,7 @@ def run_mode(models: Models, cfg: GenerationConfig, mode: str, prefilled, max_le
     timed_run(gen, prefilled)
     for level in gen.seq.levels:
         level.meter = meter
+    meter.acceptance = Acceptance()  # this run's own verifications (its last Acceptance.WINDOW per edge)
     moved = gen.full.cache.bytes_moved
     tokens, seconds, stats = timed_run(gen, prefilled)
     moved = gen.full.cache.bytes_moved - moved if moved is not None else None
@@ -125,6 +161,7 @@ def run_mode(models: Models, cfg: GenerationConfig, mode: str, prefilled, max_le
     return {"mode": mode, "tokens": len(tokens), "seconds": seconds, "ms_per_token": 1e3 * seconds / len(tokens),
             "full_passes": stats.full_passes, "ms_per_pass": per_level,
             "acceptance (random weights)": {k: stats.acceptance(k) for k in sorted(stats.proposed)},
+            "rates": seen_rates(meter.acceptance),
             "overhead_ms_per_round": 1e3 * max(stats.decode_seconds - passes, 0.0) / max(stats.full_passes, 1),
             "full_pass_bytes": moved / max(stats.full_passes, 1) if moved is not None else None}
 
@@ -180,6 +217,9 @@ def main(argv=None) -> int:
                   **{m: {"ms_per_token": ms, "gamma": g, "x_plain": plain["ms_per_token"] / ms}
                      for m, (ms, g) in project(meter, overheads, a, d, cap).items()}}
                  for cap in caps for a in MIDDLE_RATES for d in DRAFT_RATES]
+    gammas = {"autoregressive": 0, "speculative": cfg.gamma1, "retrieval": cfg.gamma2, "triforce": cfg.gamma2}
+    for mode, ms in check(meter, overheads, runs, gammas).items():
+        runs[mode]["predicted_ms_per_token"] = ms
     figures = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (rehearsal: the figures mean nothing)",
                "target": target_shape.name, "drafter": drafter_shape.name, "context": context,
                "offload": args.offload, "config": {k: getattr(cfg, k) for k in ("budget", "chunk_size", "gamma1", "gamma2")},
@@ -201,10 +241,13 @@ def print_tables(figures: dict) -> None:
 
     console, measured = Console(), figures["measured"]
     title = f"{figures['target']} + {figures['drafter']}, {figures['context']} tokens, KV {figures['offload']}: MEASURED"
-    table = Table("mode", "ms/token (random weights)", "full passes", "ms per pass by level", "overhead ms/round", title=title)
+    table = Table("mode", "ms/token (random weights)", "predicted at its own acceptance", "full passes",
+                  "ms per pass by level", "overhead ms/round", title=title)
     for mode, run in measured["runs"].items():
         levels = ", ".join(f"{k} {v:.2f}" for k, v in run["ms_per_pass"].items())
-        table.add_row(mode, f"{run['ms_per_token']:.2f}", str(run["full_passes"]), levels, f"{run['overhead_ms_per_round']:.2f}")
+        predicted = run.get("predicted_ms_per_token")
+        table.add_row(mode, f"{run['ms_per_token']:.2f}", f"{predicted:.2f}" if predicted else "-", str(run["full_passes"]),
+                      levels, f"{run['overhead_ms_per_round']:.2f}")
     console.print(table)
     if measured["plain_link_floor_ms"]:
         console.print(f"plain decoding {measured['runs']['autoregressive']['ms_per_token']:.1f} ms/token against a link "

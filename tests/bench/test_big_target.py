@@ -24,6 +24,11 @@ def test_rehearsal_measures_every_level_and_projects_every_mode(tmp_path):
     for mode, run in runs.items():
         assert run["tokens"] == 12 and run["full_passes"] >= 1 and run["ms_per_token"] > 0
         assert levels.get(mode, {"verify"}) <= set(run["ms_per_pass"])
+        # each run priced at the acceptance it saw, beside what it measured: the projection's check
+        assert run["predicted_ms_per_token"] > 0
+        edges = {"speculative": {"draft->verify"}, "retrieval": {"middle->verify"},
+                 "triforce": {"draft->middle", "middle->verify"}}.get(mode, set())
+        assert set(run["rates"]) == edges
     costs = figures["measured"]["pass_costs_ms"]
     assert {"verify", "middle", "draft"} <= set(costs) and "1" in costs["verify"]
     rows = figures["projected (acceptance given, costs measured)"]
@@ -74,3 +79,23 @@ def test_a_rounds_overhead_is_priced_per_full_pass():
     gamma = overhead[1]
     assert overhead[0] == pytest.approx(1e3 * (gamma * 0.004 + 0.310) / tokens_per_verification(0.9, gamma))
     assert overhead[0] > without[0]
+
+
+def test_each_run_is_checked_at_its_own_plan_and_acceptance():
+    meter = measured_meter()
+    runs = {"autoregressive": {"rates": {}}, "retrieval": {"rates": {"middle->verify": 0.5}},
+            "speculative": {"rates": {}}}  # a run that saw no verification is not priced
+    predicted = big_target.check(meter, {"retrieval": 0.001}, runs, {"autoregressive": 0, "retrieval": 16,
+                                                                     "speculative": 4})
+    assert predicted["autoregressive"] == pytest.approx(300.0)
+    assert predicted["retrieval"] == pytest.approx(1e3 * (16 * 0.004 + 0.301) / tokens_per_verification(0.5, 16))
+    assert "speculative" not in predicted
+
+
+def test_seen_rates_are_successes_over_trials_without_the_prior():
+    from triforce.speculative.adaptive import Acceptance
+
+    seen = Acceptance()
+    seen.record("middle->verify", 16, 16)  # all stood: no failure
+    seen.record("middle->verify", 16, 4)  # 4 stood, the fifth failed
+    assert big_target.seen_rates(seen) == {"middle->verify": 20 / 21}

@@ -371,8 +371,8 @@ class Generator:
         if width:
             edge = f"{proposing_level(mode)}->verify"
             self.stats.add_acceptance(edge, proposed, n_accepted)
-            if self.chooser is not None:
-                self.chooser.acceptance.record(edge, proposed, n_accepted)
+            if self.full.meter is not None:  # as every level records its own verifications (the chooser)
+                self.full.meter.acceptance.record(edge, proposed, n_accepted)
         self.origins = (proposer.origins[:n_accepted] if width else []) + [self.full.name]
         self.context += new
         self.committed = len(self.context)
