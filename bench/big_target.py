@@ -110,6 +110,12 @@ def check(meter: Chooser, overheads: dict[str, float], runs: dict, gammas: dict[
     return out
 
 
+class WholeRun(Acceptance):
+    """A run's verifications, all of them (the chooser keeps the last 16 per edge)."""
+
+    WINDOW = 1 << 20
+
+
 def seen_rates(acceptance: Acceptance) -> dict[str, float]:
     """Each edge's rate per proposal as a run saw it: successes over successes and failures, without
     the chooser's prior (one run's few verifications are all there is to go on)."""
@@ -151,7 +157,7 @@ def run_mode(models: Models, cfg: GenerationConfig, mode: str, prefilled, max_le
     timed_run(gen, prefilled)
     for level in gen.seq.levels:
         level.meter = meter
-    meter.acceptance = Acceptance()  # this run's own verifications (its last Acceptance.WINDOW per edge)
+    meter.acceptance = WholeRun()  # this run's own verifications
     moved = gen.full.cache.bytes_moved
     tokens, seconds, stats = timed_run(gen, prefilled)
     moved = gen.full.cache.bytes_moved - moved if moved is not None else None
