@@ -83,6 +83,23 @@ def test_streaming_cache_holds_sinks_and_a_recent_suffix(operations, sinks, wind
         assert len(suffix) >= min(window, len(reference) - s) - 9, "window shrank below its size"
 
 
+
+def test_streaming_cache_evicts_once_per_slack_tokens():
+    """A drafter appends a token or two a pass: once the cache is full an eviction frees the whole
+    slack, so the window moves once per `slack` tokens, not on every pass (keeping all that fit made
+    every pass after the first `slack` tokens re-rotate the whole window: 2x a SmolLM2 draft pass)."""
+    sinks, window, slack = 2, 16, 8
+    cache, n = StreamingCache(SHAPE, ROTARY, sinks=sinks, window=window, slack=slack), 0
+    while n < 200:
+        before = cache.evictions
+        write(cache, [n])
+        n += 1
+        if cache.evictions > before:  # it moved the window down next to the sinks, then took the token
+            assert cache.used == sinks + window + 1
+    filled = sinks + window + slack  # the first eviction comes when these slots are all taken
+    assert cache.evictions == -(-(n - filled) // slack)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(60, 140), st.sampled_from([(24, 4), (32, 8), (48, 8)]),
        st.lists(st.tuples(st.sampled_from(["absorb", "speculate", "rebuild"]), st.integers(1, 6)), max_size=25))

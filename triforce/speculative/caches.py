@@ -139,7 +139,10 @@ class StreamingCache(SlotCache):
         if self.used + T > self.capacity:
             if T > self.capacity - self.sinks:
                 raise RuntimeError(f"{T} tokens do not fit the StreamingLLM cache's {self.capacity - self.sinks} window slots")
-            self._evict(keep=min(self.used - self.sinks, self.capacity - self.sinks - T))
+            # down to the window, not just enough for T: the next `slack` slots then need no move
+            # (keeping all that fits moved the whole window on every pass once it was full, which
+            # doubled a SmolLM2 draft pass on CPU, 5.5 -> 11 ms)
+            self._evict(keep=min(self.used - self.sinks, self.window, self.capacity - self.sinks - T))
 
     def wrote_to(self, length: int) -> None:
         """Slots up to sequence position `length` were written through a view (rounds.CursorView),
