@@ -41,7 +41,7 @@ from triforce.cli.common import run_cli
 from triforce.model.config import ModelConfig
 from triforce.model.errors import UserError
 from triforce.speculative import GenerationConfig, Generator, Models
-from triforce.speculative.adaptive import Acceptance, Chooser, Plan
+from triforce.speculative.adaptive import Acceptance, Chooser, Plan, tokens_per_verification
 from triforce.speculative.stats import LEVEL_ORDER
 
 MODES = ("autoregressive", "speculative", "retrieval", "triforce")
@@ -69,6 +69,9 @@ class FixedRates:
     def rate(self, edge: str) -> float:
         return self.rates[edge]
 
+    def expected(self, edge: str, gamma: float) -> float:
+        return tokens_per_verification(self.rates[edge], gamma)
+
 
 def rates_at(middle: float, draft: float) -> dict[str, float]:
     """Every edge's rate: the middle level's to the full one, and the drafter's (to either)."""
@@ -76,10 +79,10 @@ def rates_at(middle: float, draft: float) -> dict[str, float]:
 
 
 @contextmanager
-def pricing(meter: Chooser, overheads: dict[str, float], rates: dict[str, float]):
-    """The meter's measured costs with these overheads and acceptance rates, for as long as it is held."""
+def pricing(meter: Chooser, overheads: dict[str, float], acceptance: "Acceptance | FixedRates"):
+    """The meter's measured costs with these overheads and this acceptance, for as long as it is held."""
     saved = meter.acceptance, meter.overhead
-    meter.acceptance, meter.overhead = FixedRates(rates), dict(overheads)
+    meter.acceptance, meter.overhead = acceptance, dict(overheads)
     try:
         yield meter
     finally:
@@ -90,7 +93,7 @@ def project(meter: Chooser, overheads: dict[str, float], middle: float, draft: f
     """{mode: (ms per token, gamma)} at its best gamma <= cap, priced by the chooser's arithmetic from
     the costs `meter` measured, each mode's round overhead, and acceptance at the given rates."""
     out = {}
-    with pricing(meter, overheads, rates_at(middle, draft)):
+    with pricing(meter, overheads, FixedRates(rates_at(middle, draft))):
         for mode in MODES:
             plans = [p for p in meter.plans if p.mode == mode and p.gamma <= cap]
             if plans and meter.known(mode):
@@ -99,12 +102,13 @@ def project(meter: Chooser, overheads: dict[str, float], middle: float, draft: f
     return out
 
 
-def check(meter: Chooser, overheads: dict[str, float], runs: dict, gammas: dict[str, int]) -> dict:
+def check(meter: Chooser, overheads: dict[str, float], seen: dict[str, Acceptance], gammas: dict[str, int]) -> dict:
     """{mode: ms per token} that the same arithmetic predicts for each timed run: its own plan at the
-    acceptance it saw. Beside the measured figure it tests the projection where both are known."""
+    acceptance it saw (`seen`: each mode's WholeRun). Beside the measured figure it tests the
+    projection where both are known."""
     out = {}
-    for mode, run in runs.items():
-        with pricing(meter, overheads, run["rates"]):
+    for mode, acceptance in seen.items():
+        with pricing(meter, overheads, acceptance):
             if meter.known(mode):
                 out[mode] = 1e3 * meter.predict(Plan(mode, gammas[mode]))
     return out
@@ -151,13 +155,14 @@ def prefill(models: Models, cfg: GenerationConfig, context: int, max_len: int, o
 
 
 def run_mode(models: Models, cfg: GenerationConfig, mode: str, prefilled, max_len: int, meter: Chooser,
-             cuda: bool) -> dict:
-    """A warm-up decode (graphs captured), then one timed with every pass's cost handed to `meter`."""
+             cuda: bool) -> tuple[dict, Acceptance]:
+    """A warm-up decode (graphs captured), then one timed with every pass's cost handed to `meter`:
+    its figures, and every verification it saw."""
     gen = with_graphs(Generator(models, cfg, mode, max_len, prefilled=prefilled), cuda)
     timed_run(gen, prefilled)
     for level in gen.seq.levels:
         level.meter = meter
-    meter.acceptance = WholeRun()  # this run's own verifications
+    meter.acceptance = seen = WholeRun()  # this run's own verifications
     moved = gen.full.cache.bytes_moved
     tokens, seconds, stats = timed_run(gen, prefilled)
     moved = gen.full.cache.bytes_moved - moved if moved is not None else None
@@ -169,7 +174,7 @@ def run_mode(models: Models, cfg: GenerationConfig, mode: str, prefilled, max_le
             "acceptance (random weights)": {k: stats.acceptance(k) for k in sorted(stats.proposed)},
             "rates": seen_rates(meter.acceptance),
             "overhead_ms_per_round": 1e3 * max(stats.decode_seconds - passes, 0.0) / max(stats.full_passes, 1),
-            "full_pass_bytes": moved / max(stats.full_passes, 1) if moved is not None else None}
+            "full_pass_bytes": moved / max(stats.full_passes, 1) if moved is not None else None}, seen
 
 
 def parse_args(argv):
@@ -210,9 +215,9 @@ def main(argv=None) -> int:
     print(f"[big_target] {target_shape.name} + {drafter_shape.name}, {context} tokens prefilled in "
           f"{prefilled.prefill_seconds:.1f} s", file=sys.stderr, flush=True)
     meter = Chooser(MODES, args.gamma1, args.gamma2, device_rounds=cfg.rounds_on_device(device))
-    runs = {}
+    runs, seen = {}, {}
     for mode in MODES:
-        runs[mode] = run_mode(models, cfg, mode, prefilled, max_len, meter, cuda)
+        runs[mode], seen[mode] = run_mode(models, cfg, mode, prefilled, max_len, meter, cuda)
         gc.collect()  # the last mode's caches and graphs (4 GiB of retrieval cache at 7B) go before the next
         print(f"[big_target] {mode}: {runs[mode]['ms_per_token']:.1f} ms/token (random weights)", file=sys.stderr, flush=True)
     link = raw_h2d(2**30, device) if cuda else None
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
                      for m, (ms, g) in project(meter, overheads, a, d, cap).items()}}
                  for cap in caps for a in MIDDLE_RATES for d in DRAFT_RATES]
     gammas = {"autoregressive": 0, "speculative": cfg.gamma1, "retrieval": cfg.gamma2, "triforce": cfg.gamma2}
-    for mode, ms in check(meter, overheads, runs, gammas).items():
+    for mode, ms in check(meter, overheads, seen, gammas).items():
         runs[mode]["predicted_ms_per_token"] = ms
     figures = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (rehearsal: the figures mean nothing)",
                "target": target_shape.name, "drafter": drafter_shape.name, "context": context,

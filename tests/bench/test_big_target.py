@@ -83,12 +83,16 @@ def test_a_rounds_overhead_is_priced_per_full_pass():
 
 def test_each_run_is_checked_at_its_own_plan_and_acceptance():
     meter = measured_meter()
-    runs = {"autoregressive": {"rates": {}}, "retrieval": {"rates": {"middle->verify": 0.5}},
-            "speculative": {"rates": {}}}  # a run that saw no verification is not priced
-    predicted = big_target.check(meter, {"retrieval": 0.001}, runs, {"autoregressive": 0, "retrieval": 16,
+    seen = {mode: big_target.WholeRun() for mode in ("autoregressive", "retrieval", "speculative")}
+    for accepted in (16, 0) * 8:  # all or nothing: 17 tokens, then 1
+        seen["retrieval"].record("middle->verify", 16, accepted)
+    # speculative saw no verification: it is not priced
+    predicted = big_target.check(meter, {"retrieval": 0.001}, seen, {"autoregressive": 0, "retrieval": 16,
                                                                      "speculative": 4})
     assert predicted["autoregressive"] == pytest.approx(300.0)
-    assert predicted["retrieval"] == pytest.approx(1e3 * (16 * 0.004 + 0.301) / tokens_per_verification(0.5, 16))
+    tokens = seen["retrieval"].expected("middle->verify", 16)
+    assert 8.5 < tokens < 9.2  # what came: 9 on average; one rate (129 of 138) would expect 10.5
+    assert predicted["retrieval"] == pytest.approx(1e3 * (16 * 0.004 + 0.301) / tokens)
     assert "speculative" not in predicted
 
 

@@ -114,5 +114,6 @@ def test_2000_tokens_at_16k_stay_lossless():
     gen = Generator(session.loaded.models, cfg, "triforce", max_len=max_len, prefilled=prefilled)
     tokens = gen.generate()
     assert len(reference) == 2000 and tokens == reference
-    # absorbing 2,000 tokens overflows the 2,048-token retrieval cache (measured: 1 rebuild, 1,455 evictions)
+    # absorbing 2,000 tokens overflows the 2,048-token retrieval cache (measured: 1 rebuild), and moves the
+    # drafter's window about once per 64 tokens (its slack; 1,455 times, once a pass, before session 28)
     assert gen.stats.rebuilds >= 1 and gen.drafter.cache.evictions > 20, (gen.stats.rebuilds, gen.drafter.cache.evictions)

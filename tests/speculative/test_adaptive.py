@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import defaultdict, deque
 
 import pytest
 import torch
 
 from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
 from triforce.speculative.modes import adaptive_modes
-from triforce.speculative.adaptive import SUB_MODES, Acceptance, Chooser, PassCosts, Plan, full_pass, seconds_per_token
+from triforce.speculative.adaptive import (SUB_MODES, Acceptance, Chooser, PassCosts, Plan, full_pass, seconds_per_token,
+                                          tokens_per_verification)
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
 
@@ -41,6 +43,53 @@ def test_acceptance_forgets_old_passes():
     for _ in range(Acceptance.WINDOW):
         a.record("e", 3, 3)
     assert low < 0.1 and a.rate("e") > 0.95
+
+
+
+def test_expected_tokens_follow_what_verifications_accepted_position_by_position():
+    """All or nothing (a run of proposals the target agrees with, or none): one rate per proposal
+    says more than came; counted position by position, what came (to within the prior's pull)."""
+    a = Acceptance()
+    for accepted in (6,) * 10 + (0,) * 6:  # 7 tokens 10 times, 1 token 6 times: 4.75 on average
+        a.record("middle->verify", 6, accepted)
+    assert a.expected("middle->verify", 6) == pytest.approx(4.75, abs=0.05)
+    assert tokens_per_verification(a.rate("middle->verify"), 6) > 5.1  # one rate: 5.17
+    assert a.expected("middle->verify", 0) == 1.0
+    # past the positions seen, the pooled rate carries on from where the count stopped
+    survive = a.expected("middle->verify", 6) - a.expected("middle->verify", 5)
+    r = a.rate("middle->verify")
+    assert a.expected("middle->verify", 8) == pytest.approx(a.expected("middle->verify", 6) + survive * (r + r * r))
+
+
+def test_expected_tokens_are_the_geometric_ones_where_each_proposal_stands_alone():
+    """Proposals accepted independently at 0.8: the count by position agrees with one rate (both
+    within sampling error of the truth), and with nothing seen it is the rate's formula exactly."""
+    rng = random.Random(0)
+    a = Acceptance()
+    a.recent = defaultdict(lambda: deque(maxlen=None))  # every verification, not the last 16
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 6 and rng.random() < 0.8:
+            accepted += 1
+        a.record("e", 6, accepted)
+    for gamma in (1, 3, 6):
+        assert a.expected("e", gamma) == pytest.approx(tokens_per_verification(0.8, gamma), rel=0.02)
+    fresh = Acceptance()
+    assert fresh.expected("e", 4) == pytest.approx(tokens_per_verification(fresh.rate("e"), 4))
+    # a fractional gamma (device rounds' expected proposals) lies between its neighbours
+    assert a.expected("e", 2) < a.expected("e", 2.5) < a.expected("e", 3)
+
+
+def test_the_chooser_prices_runs_by_what_verifications_accepted():
+    """Retrieval's verifications all or nothing: the chooser prices a plan at the tokens that came."""
+    chooser = Chooser(SUB_MODES["retrieval"], gamma1=2, gamma2=6)
+    teach(chooser, verify=lambda n: 1.0 + 0.1 * n, middle=0.05)
+    for accepted in (6,) * 10 + (0,) * 6:
+        chooser.acceptance.record("middle->verify", 6, accepted)
+    seconds, tokens = full_pass("retrieval", 6, 2, chooser.costs.estimate, chooser.acceptance.rate,
+                                expect=chooser.acceptance.expected)
+    assert tokens == pytest.approx(4.75, abs=0.05)
+    assert chooser.predict(Plan("retrieval", 6)) == pytest.approx(seconds / tokens)
 
 
 def test_pass_costs_fit_a_line_between_and_beyond_measured_sizes():
@@ -97,8 +146,9 @@ def test_a_lookup_variant_is_its_mode_with_the_lookup_in_the_drafters_place():
     assert not chooser.known("triforce-lookup")  # its level never timed
     chooser.costs.record("lookup+middle", 2, 0.0055)
     assert chooser.known("triforce-lookup") and chooser.known("triforce")
-    rates = chooser.acceptance.rate
-    expected = full_pass("triforce", 6, 2, chooser.costs.estimate, lambda e: rates(renamed.get(e, e)), round_cost=0.0055)
+    seen = chooser.acceptance
+    expected = full_pass("triforce", 6, 2, chooser.costs.estimate, lambda e: seen.rate(renamed.get(e, e)), round_cost=0.0055,
+                         expect=lambda e, g: seen.expected(renamed.get(e, e), g))
     assert chooser.predict(Plan("triforce-lookup", 6)) == pytest.approx(expected[0] / expected[1])
     assert chooser.order == ("autoregressive", "retrieval", "speculative", "lookup", "triforce", "triforce-lookup")
 
@@ -148,11 +198,13 @@ def test_rounds_timed_whole_price_triforce():
     chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
     teach(chooser, verify=lambda n: 1.0, accept=acc)
     from_passes = chooser.predict(Plan("triforce", 6))
-    assert from_passes == pytest.approx(seconds_per_token("triforce", 6, 2, chooser.costs.estimate, chooser.acceptance.rate))
+    seen = chooser.acceptance
+    assert from_passes == pytest.approx(seconds_per_token("triforce", 6, 2, chooser.costs.estimate, seen.rate,
+                                                          expect=seen.expected))
     chooser.passed(ROUND, 2, 0.5)  # one round as a graph: dearer than its passes' sum (0.01 x 2 + 0.02)
     whole = chooser.predict(Plan("triforce", 6))
-    per_middle = 0.5 / (1 + chooser.acceptance.rate("draft->middle") + chooser.acceptance.rate("draft->middle") ** 2)
-    e = 1 + sum(chooser.acceptance.rate("middle->verify") ** k for k in range(1, 7))
+    per_middle = 0.5 / seen.expected("draft->middle", 2)
+    e = seen.expected("middle->verify", 6)
     assert whole == pytest.approx((6 * per_middle + 1.0) / e) and whole > from_passes
 
     alone = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)  # only whole rounds and the full pass timed
