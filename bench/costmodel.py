@@ -244,9 +244,10 @@ def ms_per_token_from_passes(mode: str, ms: dict, accept: dict, gamma1: int, gam
     draft->verify, draft->middle, middle->verify), by the arithmetic the adaptive generator
     chooses with (speculative.adaptive.seconds_per_token; speculative runs gamma1 drafts per pass).
 
-    A third level pays when its middle tokens, each costing (gamma1 draft + middle) / E1, are cheap
-    enough next to the full pass that the longer runs it buys (E2 over E of the drafter alone) win:
-    triforce beats speculative exactly when this function says so for both."""
+    A third level pays when its middle tokens, each costing about (gamma1 draft + middle) / E1 (the
+    rounds as the host runs them: adaptive.host_rounds), are cheap enough next to the full pass that
+    the longer runs it buys (E2 over E of the drafter alone) win: triforce beats speculative exactly
+    when this function says so for both."""
     gamma = gamma1 if mode == "speculative" else gamma2
     return seconds_per_token(mode, gamma, gamma1, lambda level, n: ms[level], lambda edge: accept[edge])
 

@@ -123,9 +123,14 @@ def test_seconds_per_token_matches_the_cost_model():
         direct = seconds_per_token(mode, 2 if mode == "speculative" else 4, 2,
                                    lambda level, n: ms[level], lambda e: acc[e])
         assert ms_per_token_from_passes(mode, ms, acc, gamma1=2, gamma2=4) == pytest.approx(direct)
-    # triforce: a middle token costs (2 x 2 + 5) / (1 + .7 + .49); four of them plus a verify, over E(.8, 4)
-    per_middle = 9 / 2.19
-    assert ms_per_token_from_passes("triforce", ms, acc, 2, 4) == pytest.approx((4 * per_middle + 40) / 3.3616)
+    # triforce: rounds of min(2, r) drafts while r of the 4 middle tokens remain, a round of g costing
+    # 2 g + 5; 0, 1 or 2 of 2 drafts stand with chances .3, .21, .49 (of 1: .3, .7). By hand, the rounds
+    # that make r tokens cost 7 (r = 1), 9 + .3 x 7 = 11.1 (2), 9 + .3 x 11.1 + .21 x 7 = 13.8 (3) and
+    # 9 + .3 x 13.8 + .21 x 11.1 + .49 x 7 = 18.901 (4); plus a verify, over E(.8, 4) = 3.3616
+    assert ms_per_token_from_passes("triforce", ms, acc, 2, 4) == pytest.approx((18.901 + 40) / 3.3616)
+    # device rounds: whole rounds of 2 drafts, ceil(4 / 2.19) = 2 of them, each verified in full (6 positions)
+    assert seconds_per_token("triforce", 4, 2, lambda level, n: ms[level], lambda e: acc[e], device_rounds=True) == \
+        pytest.approx((2 * 9 + 40) / tokens_per_verification(0.8, 2 * 2.19))
 
 
 def test_a_lookup_variant_is_its_mode_with_the_lookup_in_the_drafters_place():
