@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 from .modes import ALL_LEVELS, SHAPE, SUB_MODES, drafts, first_level  # noqa: F401 (SUB_MODES: the modes a hierarchy can run)
@@ -121,13 +122,22 @@ def host_rounds(gamma: int, gamma1: int, round_cost: Callable[[int], float], exp
     full round's cost over what a round yields (as device rounds are) missed the short last round
     each pass ends with: SmolLM2 at gamma1 4, gamma2 6 ran 2.03 rounds a pass (this says 2.00) where
     1.23 were priced."""
-    stand = [1.0] + [expect(j) - expect(j - 1) for j in range(1, min(gamma1, gamma) + 1)]  # P(first j accepted)
-    cost = [0.0] * (gamma + 1)  # cost[r]: seconds to make r more tokens
-    for r in range(1, gamma + 1):
-        g = min(gamma1, r)
-        cost[r] = round_cost(g) + sum((stand[j] - (stand[j + 1] if j < g else 0.0)) * cost[max(r - j - 1, 0)]
-                                      for j in range(g + 1))
-    return cost[gamma]
+    g1 = min(gamma1, gamma)
+    made = [expect(j) for j in range(g1 + 1)]
+    stand = (1.0,) + tuple(made[j] - made[j - 1] for j in range(1, g1 + 1))  # P(first j accepted)
+    # every gamma of a choice shares one table (a choice prices each plan: 16 of them at gamma2 16)
+    return _rounds_table(stand, tuple(round_cost(g) for g in range(1, g1 + 1)), 1 << (gamma - 1).bit_length())[gamma]
+
+
+@lru_cache(maxsize=32)
+def _rounds_table(stand: tuple[float, ...], round_costs: tuple[float, ...], upto: int) -> list[float]:
+    """host_rounds' cost[r] for r = 0..upto: the seconds to make r more tokens."""
+    cost = [0.0] * (upto + 1)
+    for r in range(1, upto + 1):
+        g = min(len(round_costs), r)
+        cost[r] = round_costs[g - 1] + sum((stand[j] - (stand[j + 1] if j < g else 0.0)) * cost[max(r - j - 1, 0)]
+                                           for j in range(g + 1))
+    return cost
 
 
 def needs(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -248,10 +258,13 @@ class Acceptance:
         reached j and accepted it, shrunk toward the pooled rate by PRIOR verifications; past the
         positions seen, at the pooled rate. A fractional gamma (device rounds' expected proposals)
         is interpolated between its neighbours."""
-        if edge not in self._totals:
-            self._totals[edge] = self._expected_by_gamma(edge)
-        totals, a = self._totals[edge], self.rate(edge)
+        totals = self._totals.get(edge)
+        if totals is None:
+            totals = self._totals[edge] = self._expected_by_gamma(edge)
         low = int(gamma)
+        if low == gamma and low < len(totals):  # the common case: a whole gamma within the positions seen
+            return totals[low]
+        a = self.rate(edge)
         if low + 1 >= len(totals):  # the positions past those seen: one pooled rate, the geometric tail
             last = len(totals) - 1
             survive = (totals[last] - totals[last - 1]) if last else 1.0
