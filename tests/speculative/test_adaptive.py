@@ -632,3 +632,31 @@ def test_a_drafter_that_sat_out_feeds_only_its_last_tokens_but_a_new_turn_whole(
     fed.clear()
     gen.generate(max_new_tokens=10)
     assert fed[0] >= len(turn)  # the whole turn (and the answer's last token before it)
+
+
+def test_a_few_verifications_are_priced_at_one_rate():
+    """Below Acceptance.COUNTED verifications one rate prices every position: one first try that
+    failed at its first proposal says little of the positions after it."""
+    a = Acceptance()
+    a.record("lookup->verify", 3, 0)
+    assert a.expected("lookup->verify", 1) == pytest.approx(tokens_per_verification(a.rate("lookup->verify"), 1))
+    for _ in range(Acceptance.COUNTED - 1):
+        a.record("lookup->verify", 3, 3)
+    assert a.expected("lookup->verify", 3) != pytest.approx(tokens_per_verification(a.rate("lookup->verify"), 3))
+
+
+def test_a_probe_that_beats_the_best_plan_runs_again():
+    """A probe that made its tokens as cheaply as the best plan is run once more on the next pass (its
+    one verification barely moves what its edge remembers); one that lost is not."""
+    chooser = Chooser(SUB_MODES["retrieval"], gamma1=2, gamma2=3)
+    teach(chooser, verify=lambda n: 0.010 + 0.001 * n, middle=0.002, accept={"middle->verify": 0.1})
+    assert chooser.choose() == Plan("autoregressive", 0)
+    chooser.passed("verify", 1, 0.011)
+    chooser.finished("autoregressive", 0.011, 1)
+    chooser.last_used["retrieval"] = -100  # long unprobed: its probe is due
+    chooser.elapsed = 10.0
+    assert chooser.choose() == Plan("retrieval", 3)
+    chooser.finished("retrieval", 0.020, 4)  # 4 tokens for 20 ms: 5 ms a token, the best plan's 11
+    assert chooser.choose() == Plan("retrieval", 3)  # again
+    chooser.finished("retrieval", 0.030, 1)  # lost this time
+    assert chooser.choose() == Plan("autoregressive", 0)

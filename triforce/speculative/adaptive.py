@@ -217,6 +217,10 @@ class Acceptance:
 
     WINDOW = 16
     PRIOR = 2  # pseudo-verifications at the pooled rate behind each position's own count
+    # below this many verifications one rate stands for every position: a first try that failed at
+    # its first proposal would otherwise price that position by itself (SmolLM2 at 4K, greedy, 512
+    # tokens: lookups' one failed first try kept them out for 116-125 passes in 2 of 5 runs)
+    COUNTED = 8
 
     def __init__(self):
         self.recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.WINDOW))
@@ -256,8 +260,8 @@ class Acceptance:
         included: 1 + the sum over positions j <= gamma of the chance that the first j are accepted.
         Position j is accepted, once the ones before it were, at the share of the verifications that
         reached j and accepted it, shrunk toward the pooled rate by PRIOR verifications; past the
-        positions seen, at the pooled rate. A fractional gamma (device rounds' expected proposals)
-        is interpolated between its neighbours."""
+        positions seen, and at all below COUNTED verifications, at the pooled rate. A fractional
+        gamma (device rounds' expected proposals) is interpolated between its neighbours."""
         totals = self._totals.get(edge)
         if totals is None:
             totals = self._totals[edge] = self._expected_by_gamma(edge)
@@ -274,7 +278,7 @@ class Acceptance:
     def _expected_by_gamma(self, edge: str) -> list[float]:
         """[expected tokens at gamma 0, 1, ..., the furthest position a verification reached]."""
         history, a = self.recent[edge], self.rate(edge)
-        furthest = max((s + f for s, f in history), default=0)
+        furthest = max((s + f for s, f in history), default=0) if len(history) >= self.COUNTED else 0
         totals, survive = [1.0], 1.0
         for j in range(1, furthest + 1):
             reached = sum(1 for s, f in history if s >= j or (f and s == j - 1))
@@ -330,6 +334,7 @@ class Chooser:
         self.last_time = {m: 0.0 for m in modes}
         self.probe_loss: dict[str, float] = {}  # per mode: seconds its probes lost against the best plan (average)
         self._probing: float | None = None  # while a probe runs: the best plan's seconds per token
+        self._again: str | None = None  # a mode whose probe just beat the best plan: probed once more next
 
     def passed(self, level: str, tokens: int, seconds: float, typical: bool = True) -> None:
         """A pass of `level` over `tokens` tokens took `seconds` (Level.run, decode only). An untypical
@@ -343,12 +348,20 @@ class Chooser:
         committed `tokens`: what its passes do not account for is the mode's overhead. Its average is
         slow to move (a retrieval rebuild lands on one round in dozens). A probe's round also tells
         what probing that mode really loses (a drafter that sat out first catches up, which its
-        per-pass prediction misses: at 4K a speculative probe lost 26 ms where 7 were predicted)."""
+        per-pass prediction misses: at 4K a speculative probe lost 26 ms where 7 were predicted).
+
+        A probe that made its tokens at least as cheaply as the best plan would have is run again on
+        the next pass, and so on while it keeps doing so: one verification among the WINDOW its edge
+        remembers barely moves the mode's estimate, and a mode whose text changed under it (a lookup
+        once the output repeats itself) would otherwise wait a full probe interval per success. SmolLM2
+        at 4K, greedy, 512 tokens: lookups failed before the output looped, speculative took over,
+        and lookups came back once in 80 passes, their one success outvoted by 15 stale failures."""
         self.elapsed += seconds
         probed, self._probing = self._probing, None
         if probed is not None and tokens is not None:  # averaged: a probe commits 1 to gamma + 1 tokens
             lost, old = max(seconds - tokens * probed, 0.0), self.probe_loss.get(mode)
             self.probe_loss[mode] = lost if old is None else 0.5 * (old + lost)
+            self._again = mode if lost == 0.0 else None
         if self.passes == 1:  # the first round after a prefill pays one-time costs outside its passes
             return
         outside = max(seconds - (self.pass_seconds - self._round_start), 0.0)
@@ -422,6 +435,10 @@ class Chooser:
                     self._probing = min(map(self.predict, tried))
                 return self.best(mode)
         plan = self.best()
+        again, self._again = self._again, None
+        if again is not None and again != plan.mode:
+            self._probing = self.predict(plan)
+            return self.longest(again)
         for mode in self.modes:
             if mode != plan.mode and self._probe_due(mode, plan):
                 self._probing = self.predict(plan)
