@@ -108,7 +108,10 @@ def test_an_adaptive_run_prices_the_lookup_and_stays_lossless(target):
     costs = gen.chooser.costs
     # a lookup of 3 drafts is timed as 3 draft passes of one token, each a third of the call
     assert costs.known("draft") and costs.estimate("draft", 1) < costs.estimate("verify", 1)
-    assert set(gen.stats.modes) >= {"autoregressive", "speculative", "retrieval", "triforce"}
+    # every mode was tried, or judged unable to win from its best case (triforce here: at this size
+    # every pass costs what any other does, and its two rounds a full pass are priced as such)
+    assert set(gen.stats.modes) >= {"autoregressive", "speculative", "retrieval"}
+    assert all(gen.chooser.last_used[mode] is not None for mode in gen.chooser.modes)
 
 
 def assert_one_read_per_round(gen: Generator, until: int) -> int:
