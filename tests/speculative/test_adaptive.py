@@ -237,6 +237,36 @@ def test_device_rounds_are_priced_by_the_positions_their_full_pass_verifies():
     assert device.predict(Plan("triforce", 3)) > host.predict(Plan("triforce", 3))
 
 
+def test_a_lookup_is_priced_by_the_verifications_after_a_match_as_long_as_this_one():
+    """A lookup drafts well after a long match and badly after a short one (a book chat's quotation
+    against its prose): its edge's verifications are counted by the pass's match length, and a pass
+    is priced from those of its own length once there are MATCHED; a model drafter's edge is not split."""
+    chooser = Chooser(("autoregressive", "speculative", "lookup"), gamma1=3, gamma2=3, looked_up=("lookup",))
+    for match, accepted in [(1, 0)] * 12 + [(3, 3)] * 3:
+        chooser.match = match  # as choose(match) sets it
+        chooser.verified("lookup->verify", 3, accepted)
+        chooser.verified("draft->verify", 3, accepted)
+    pooled = chooser.acceptance.rate("lookup->verify")
+    chooser.match = 3  # 3 after a 3-token match: too few, the pooled rate prices it
+    assert chooser.rate("lookup->verify") == pooled
+    chooser.verified("lookup->verify", 3, 3)
+    assert chooser.rate("lookup->verify") == chooser.acceptance.rate("lookup->verify@3") > 0.8 > pooled
+    assert chooser.expected("lookup->verify", 3) == chooser.acceptance.expected("lookup->verify@3", 3)
+    chooser.match = 1
+    assert chooser.rate("lookup->verify") == chooser.acceptance.rate("lookup->verify@1") < 0.1
+    chooser.match = 2  # none seen after a 2-token match
+    assert chooser.rate("lookup->verify") == chooser.acceptance.rate("lookup->verify")
+    assert "draft->verify@1" not in chooser.acceptance.recent
+    # so the same history picks the lookup at its longest gamma after a long match, plain decoding after a short one
+    for plan in [Plan("autoregressive", 0)] * 2 + [Plan("lookup", 3)]:
+        chooser.passed("verify", plan.gamma + 1, 0.010 + 0.002 * plan.gamma)
+        chooser.passed("lookup", 1, 0.0001)
+    chooser.match = 3
+    assert chooser.best() == Plan("lookup", 3)
+    chooser.match = 1
+    assert chooser.best() == Plan("autoregressive", 0)
+
+
 def test_a_mode_that_cannot_win_is_not_tried_first():
     """Plain decoding first, then the modes with one proposer, whose passes time triforce's levels:
     with a drafter that costs more than a full pass (a CPU, the target drafting for itself), triforce's

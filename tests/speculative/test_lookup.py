@@ -9,7 +9,7 @@ from triforce.model.loader import load_model
 from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
 from triforce.speculative.graphs import enable_cuda_graphs
 from triforce.speculative.hostsync import HostSyncCounter
-from triforce.speculative.lookup import LookupDrafter, point_masses
+from triforce.speculative.lookup import LookupDrafter, MatchIndex, point_masses
 from triforce.speculative.sampling import verify_sampled
 
 from ..conftest import save_tiny
@@ -42,6 +42,38 @@ def test_drafts_follow_the_latest_longest_match(longest):
         # the device form: a 0-dim position, and junk past it that must be ignored
         padded = torch.cat((seq, torch.randint(0, vocab, (9,), generator=gen)))
         assert lookup.drafts(padded, torch.tensor(length), 5).tolist() == want
+
+
+def reference_match(seq: list[int], longest: int) -> int:
+    """How many tokens the rule's match spans: the largest k <= longest whose last k tokens occur
+    earlier with a token after them; 0 for none."""
+    for k in range(min(longest, len(seq) - 1), 0, -1):
+        if any(seq[i:i + k] == seq[-k:] for i in range(len(seq) - k)):
+            return k
+    return 0
+
+
+@pytest.mark.parametrize("longest", [1, 3])
+def test_the_host_index_finds_the_lookups_match_as_the_text_grows_and_is_cut(longest):
+    """MatchIndex follows a context that grows by rounds of 1-6 tokens and is sometimes cut (a chat's
+    truncation, or a cut it was not told of), and reports the match the lookup drafts from."""
+    gen = torch.Generator().manual_seed(1)
+    index, context = MatchIndex(longest), []
+    for trial in range(400):
+        action = int(torch.randint(0, 10, (), generator=gen))
+        if action == 0 and len(context) > 2:
+            cut = int(torch.randint(1, len(context), (), generator=gen))
+            del context[cut:]
+            index.rollback(cut)
+        elif action == 1 and len(context) > 2:
+            del context[int(torch.randint(1, len(context), (), generator=gen)):]  # not told
+        else:
+            context += torch.randint(0, 4, (int(torch.randint(1, 7, (), generator=gen)),), generator=gen).tolist()
+        assert index.length(context) == reference_match(context, longest), context
+    # the index of the final text holds exactly what a fresh one builds
+    fresh = MatchIndex(longest)
+    fresh.length(context)
+    assert index.last_end == fresh.last_end and index.indexed == fresh.indexed
 
 
 def test_a_point_mass_draft_is_accepted_with_the_targets_probability():
@@ -196,3 +228,26 @@ def test_lookups_beside_a_drafter_read_once_per_round(target, monkeypatch):
     gen.prefill(ids)
     steps = assert_one_read_per_round(gen, len(ids) + 40)
     assert gen.stats.modes == {"triforce-lookup": steps} and gen.stats.passes["draft"] == 0
+
+
+def test_a_run_with_lookups_counts_their_acceptance_by_match_length(target):
+    """The chooser hears each pass's match length and counts a lookup edge's verifications apart by it
+    (adaptive.matched); a model drafter's edges stay pooled. Truncation keeps the index in step."""
+    from triforce.speculative.adaptive import matched
+
+    ids = looping_prompt(140)
+    cfg = GenerationConfig(max_new_tokens=80, budget=48, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,
+                           sink_tokens=4, adaptive=True)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg).tokens
+    gen = Generator(Models(target, target), cfg, "triforce", max_len=len(ids) + 140)
+    gen.prefill(ids)
+    assert gen.generate() == reference
+    recent = gen.chooser.acceptance.recent
+    split = [e for e in recent if "@" in e]
+    assert split and all(e.split("@")[0] in ("lookup->verify", "lookup->middle") for e in split)
+    for edge in {e.split("@")[0] for e in split}:  # every verification counted pooled and by its length
+        assert sum(len(recent[e]) for e in split if e.startswith(edge + "@")) >= len(recent[edge])
+    assert gen.chooser.looked_up == {"lookup"} and matched("lookup->verify", 3) == "lookup->verify@3"
+    gen.truncate(len(ids) + 10)
+    fresh = MatchIndex()
+    assert gen.matches.length(gen.context) == fresh.length(gen.context) and gen.matches.last_end == fresh.last_end

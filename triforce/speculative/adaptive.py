@@ -288,6 +288,11 @@ class Acceptance:
         return totals
 
 
+def matched(edge: str, length: int) -> str:
+    """The name a lookup edge's verifications after a match of `length` tokens are counted under."""
+    return f"{edge}@{length}"
+
+
 @dataclass(frozen=True)
 class Plan:
     mode: str
@@ -314,9 +319,17 @@ class Chooser:
     # replaces it (PassCosts) before any other mode is weighed against it
     WARM_PASSES = 2
 
+    # a lookup edge is priced from the verifications that followed a match as long as this pass's once
+    # it has this many of them (below, from all of its verifications)
+    MATCHED = 4
+
     def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None,
-                 device_rounds: bool = False):
+                 device_rounds: bool = False, looked_up: tuple[str, ...] = ()):
         self.modes, self.gamma1, self.agree, self.device_rounds = modes, gamma1, agree, device_rounds
+        # the levels whose proposals are lookups ('lookup' beside a model drafter, 'draft' under
+        # --draft lookup): how well they draft hangs on how long a match the lookup has (lookup.MatchIndex)
+        self.looked_up = frozenset(looked_up)
+        self.match: int | None = None  # this pass's match length, when the engine tells it
         # the order modes are first tried in: plain decoding (it times verify(1), which every
         # prediction leans on), then by the levels they run, so that a mode's best case is bounded by
         # the passes the modes before it timed
@@ -368,6 +381,31 @@ class Chooser:
         old = self.overhead.get(mode)
         self.overhead[mode] = outside if old is None else 0.9 * old + 0.1 * outside
 
+    def verified(self, edge: str, proposed: int, accepted: int) -> None:
+        """A verification on `edge` accepted `accepted` of `proposed`: counted for the edge, and for a
+        lookup's edge also apart, under this pass's match length."""
+        self.acceptance.record(edge, proposed, accepted)
+        if self._looks_up(edge):
+            self.acceptance.record(matched(edge, self.match), proposed, accepted)
+
+    def _looks_up(self, edge: str) -> bool:
+        return self.match is not None and edge.split("->")[0] in self.looked_up
+
+    def _edge(self, edge: str) -> str:
+        """The history that prices `edge` now: a lookup's verifications after a match as long as this
+        pass's, once there are MATCHED of them; else all of the edge's."""
+        if self._looks_up(edge):
+            own = matched(edge, self.match)
+            if len(self.acceptance.recent.get(own, ())) >= self.MATCHED:
+                return own
+        return edge
+
+    def rate(self, edge: str) -> float:
+        return self.acceptance.rate(self._edge(edge))
+
+    def expected(self, edge: str, gamma: float) -> float:
+        return self.acceptance.expected(self._edge(edge), gamma)
+
     def known(self, mode: str) -> bool:
         levels, edges = needs(mode)
         if SHAPE[mode] == "triforce" and self.costs.known(round_name(first_level(mode))):
@@ -375,9 +413,9 @@ class Chooser:
         return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
 
     def predict(self, plan: Plan) -> float:
-        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
+        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.rate,
                                  self.overhead.get(plan.mode, 0.0), self._round_cost(plan.mode, self.costs.estimate),
-                                 self.device_rounds, self.acceptance.expected)
+                                 self.device_rounds, self.expected)
 
     def _round_cost(self, mode: str, cost: Callable[[str, int], float]) -> float | None:
         """A drafter->middle round of `mode` as measured whole, where rounds ran as one graph
@@ -393,9 +431,9 @@ class Chooser:
             return max((s for n, s in self.costs.mean.get(level, {}).items() if n <= tokens), default=0.0)
 
         def expect(edge: str, gamma: float) -> float:
-            return self.acceptance.expected(edge, gamma) if self.acceptance.known(edge) else gamma + 1.0
+            return self.expected(edge, gamma) if self.acceptance.known(edge) else gamma + 1.0
 
-        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, cost, self.acceptance.rate,
+        return seconds_per_token(plan.mode, plan.gamma, self.gamma1, cost, self.rate,
                                  self.overhead.get(plan.mode, 0.0), self._round_cost(plan.mode, cost), self.device_rounds,
                                  expect)
 
@@ -412,7 +450,10 @@ class Chooser:
         stale (the shorter ones are priced from the line through it and what does run)."""
         return max((p for p in self.plans if p.mode == mode), key=lambda p: p.gamma)
 
-    def choose(self) -> Plan:
+    def choose(self, match: int | None = None) -> Plan:
+        """The next full pass's plan; `match`: how many tokens the lookup's match spans there
+        (lookup.MatchIndex), for a chooser with lookups."""
+        self.match = match
         plan = self._choose()
         if self.agree is not None:
             plan = self.plans[self.agree(self.plans.index(plan))]
@@ -454,9 +495,9 @@ class Chooser:
         """Seconds a pass of `probe` is predicted to lose against making its tokens at `best`'s rate
         (a mode not yet predictable is priced at its best case)."""
         if self.known(probe.mode):  # bound is its best case: every proposal accepted
-            seconds, tokens = full_pass(probe.mode, probe.gamma, self.gamma1, self.costs.estimate, self.acceptance.rate,
+            seconds, tokens = full_pass(probe.mode, probe.gamma, self.gamma1, self.costs.estimate, self.rate,
                                         self.overhead.get(probe.mode, 0.0), self._round_cost(probe.mode, self.costs.estimate),
-                                        self.device_rounds, self.acceptance.expected)
+                                        self.device_rounds, self.expected)
             per_token = seconds / tokens
         else:
             per_token, tokens = self.bound(probe), probe.gamma + 1.0

@@ -35,7 +35,7 @@ from .adaptive import Chooser
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
 from .levels import AutoregressiveProposer, Level, LookupProposer, PassClock, Sampling, Sequence, SpeculativeProposer
-from .lookup import LookupDrafter
+from .lookup import LookupDrafter, MatchIndex
 from .models import CacheSizes, Models, Prefilled, self_drafter
 from .rounds import DeviceRoundProposer
 from .retrieval import RebuildPolicy, RetrievalCache, check_budget
@@ -109,6 +109,9 @@ class Generator:
             self.lookup_level = Level("lookup" if beside else "draft", None, None, self.stats, self.clock)
         self.seq.levels = [lv for lv in (self.full, self.middle, self.drafter, self.lookup_level) if lv is not None]
         self.chooser, self.agree = None, agree
+        # the chooser prices a lookup by how long a match it drafts from, which the host finds in its
+        # own copy of the text (no device read)
+        self.matches = MatchIndex(self.lookup.longest) if self.lookup_level is not None and len(self.modes) > 1 else None
         self.device_rounds = cfg.rounds_on_device(self.device)
         self._new_chooser()
         self.proposers = {m: self._compose(m) for m in self.modes}
@@ -142,7 +145,12 @@ class Generator:
         try:
             self.full.cache.rollback(len(prompt))
             self.full.cache.queries = [q[None] for q in queries]
-            self.context = list(prompt) + ([] if first is None else [first])
+            context = list(prompt) + ([] if first is None else [first])
+            if self.matches is not None:  # the same text again (a chat's reset) keeps its index
+                same = self.context[:len(context)] == context
+                self.matches = self.matches if same else MatchIndex(self.lookup.longest)
+                self.matches.rollback(len(context))
+            self.context = context
             self.seq.put(0, self.context)
             self.full.adopt(len(prompt))
             self.committed = len(self.context)
@@ -168,8 +176,9 @@ class Generator:
     def _new_chooser(self) -> None:
         """An adaptive generator's chooser, knowing nothing yet, timing every level's passes."""
         if len(self.modes) > 1:
+            looked_up = (self.lookup_level.name,) if self.lookup_level is not None else ()
             self.chooser = Chooser(self.modes, self.cfg.gamma1, self.cfg.gamma2, self.agree,
-                                   device_rounds=self.device_rounds)
+                                   device_rounds=self.device_rounds, looked_up=looked_up)
             for level in self.seq.levels:
                 level.meter = self.chooser
 
@@ -274,6 +283,8 @@ class Generator:
         if held < length - 1:  # e.g. a turn extend() did not finish: only its start can be kept
             raise ValueError(f"the full cache holds {held} of the {length - 1} tokens to keep")
         del self.context[length:]
+        if self.matches is not None:
+            self.matches.rollback(length)
         self.committed = length
         self.full.rollback(held)
         if self.drafter is not None:
@@ -344,7 +355,7 @@ class Generator:
         mode, gamma = self.mode, self.gamma
         start = time.perf_counter()
         if self.chooser is not None:
-            plan = self.chooser.choose()
+            plan = self.chooser.choose(self.matches.length(self.context) if self.matches is not None else None)
             mode, gamma = plan.mode, plan.gamma
             self.stats.add_mode(mode)
         proposer = self.proposers[mode][0]
@@ -372,7 +383,7 @@ class Generator:
             edge = f"{proposing_level(mode)}->verify"
             self.stats.add_acceptance(edge, proposed, n_accepted)
             if self.full.meter is not None:  # as every level records its own verifications (the chooser)
-                self.full.meter.acceptance.record(edge, proposed, n_accepted)
+                self.full.meter.verified(edge, proposed, n_accepted)
         self.origins = (proposer.origins[:n_accepted] if width else []) + [self.full.name]
         self.context += new
         self.committed = len(self.context)

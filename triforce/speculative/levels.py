@@ -256,7 +256,7 @@ class SpeculativeProposer:
             seq.write(at + n_accepted, nxt[None])
             self.level.stats.add_acceptance(self.key, g, n_accepted)
             if self.level.meter is not None:
-                self.level.meter.acceptance.record(self.key, g, n_accepted)
+                self.level.meter.verified(self.key, g, n_accepted)
             origins += self.source.origins[:n_accepted] + [self.level.name]
             if probs is not None:
                 dists.append(probs[:n_accepted + 1])

@@ -224,7 +224,7 @@ class DeviceRoundProposer:
         for a in accepts:
             self.drafter.stats.add_acceptance(edge, g, a)
             if self.middle.meter is not None:
-                self.middle.meter.acceptance.record(edge, g, a)
+                self.middle.meter.verified(edge, g, a)
             origins += [self.drafter.name] * a + [self.middle.name]
         self.origins = origins
         per_round = made / len(accepts)
