@@ -197,6 +197,10 @@ def test_factory_plans_before_allocating():
     sizes = CacheSizes.of(GenerationConfig(budget=4096, gamma1=4, gamma2=6, sink_tokens=4, draft_window=256),
                           "triforce", max_len=1000)
     assert sizes.after_full_bytes(shape, None) == shape.bytes_per_token * (4096 + 33 + 4 + 256 + 64)
+    # lookups weighed alone widen a full pass to lookup_gamma where that is wider than the mode's own
+    cfg = GenerationConfig(budget=4096, gamma1=1, gamma2=3, lookup_gamma=8)
+    assert CacheSizes.of(cfg, "triforce", 1000).widest == 6 and CacheSizes.of(cfg, "triforce", 1000, lookups=True).widest == 8
+    assert CacheSizes.of(cfg, "speculative", 1000, lookups=True).margin == 8 + 2
 
 
 # ---------------------------------------------------------------------- engines

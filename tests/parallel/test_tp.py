@@ -138,7 +138,7 @@ def adaptive(target, drafter, dist) -> dict:
         scramble = random.Random(1)
         chooser._choose = lambda: scramble.choice(chooser.plans)
     choose = chooser.choose
-    chooser.choose = lambda: plans.append(choose()) or plans[-1]
+    chooser.choose = lambda match=None: plans.append(choose(match)) or plans[-1]
     gen.prefill(ids)
     return {"tokens": gen.generate(), "plans": plans}
 

@@ -267,6 +267,29 @@ def test_a_lookup_is_priced_by_the_verifications_after_a_match_as_long_as_this_o
     assert chooser.best() == Plan("autoregressive", 0)
 
 
+def test_lookups_alone_may_run_past_gamma2_but_are_tried_and_probed_at_it():
+    """A full pass verifying lookups alone is weighed up to lookup_gamma (a lookup costs no pass); it
+    is tried and probed at the drafter's gamma, and the longer plans win only where what lookups
+    accepted after a match as long says so (a quotation). A model drafter's plans are not extended."""
+    modes = ("autoregressive", "speculative", "lookup", "triforce-lookup", "retrieval")
+    chooser = Chooser(modes, gamma1=2, gamma2=3, looked_up=("lookup",), lookup_gamma=8)
+    longest = {m: max(p.gamma for p in chooser.plans if p.mode == m) for m in modes}
+    assert longest == {"autoregressive": 0, "speculative": 3, "lookup": 8, "triforce-lookup": 3, "retrieval": 3}
+    assert chooser.longest("lookup") == Plan("lookup", 3) and chooser.best("lookup") == Plan("lookup", 3)
+    # every 3 lookups after a 3-token match stood, after a 1-token match none did
+    for match, accepted in [(3, 3)] * 8 + [(1, 0)] * 8:
+        chooser.match = match
+        chooser.verified("lookup->verify", 3, accepted)
+    for width in range(1, 10):  # a verification costs 10 ms and 2 more a position
+        chooser.passed("verify", width, 0.010 + 0.002 * (width - 1))
+    chooser.passed("lookup", 1, 0.0001)
+    chooser.match = 3
+    assert chooser.best("lookup") == Plan("lookup", 8)
+    chooser.match = 1
+    assert chooser.best("lookup").gamma == 1
+    assert max(p.gamma for p in Chooser(modes, 2, 3, looked_up=("lookup",)).plans if p.mode == "lookup") == 3
+
+
 def test_a_mode_that_cannot_win_is_not_tried_first():
     """Plain decoding first, then the modes with one proposer, whose passes time triforce's levels:
     with a drafter that costs more than a full pass (a CPU, the target drafting for itself), triforce's

@@ -34,7 +34,10 @@ at 16K, where the levels win, 1.17x -> 1.15x (within run-to-run noise).
 
 Beside a model drafter the modes that draft also come with lookups in its place (modes.LOOKUP_VARIANT:
 'lookup', 'triforce-lookup'), priced by the same arithmetic over the 'lookup' level's timings and
-edges: which drafter pays changes within a run (a quotation is looked up, prose is not).
+edges: which drafter pays changes within a run (a quotation is looked up, prose is not). A lookup's
+verifications are also counted by how long a match it drafted from (`matched`; the engine tells each
+pass's length, lookup.MatchIndex), and a pass is priced from those of its own length once there are
+MATCHED of them: one pooled rate, dragged down by prose, kept quotations in plain decoding.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-from .modes import ALL_LEVELS, SHAPE, SUB_MODES, drafts, first_level  # noqa: F401 (SUB_MODES: the modes a hierarchy can run)
+from .modes import ALL_LEVELS, SHAPE, SUB_MODES, drafts, first_level, proposing_level  # noqa: F401 (SUB_MODES: the modes a hierarchy can run)
 from .stats import round_name
 
 
@@ -324,7 +327,7 @@ class Chooser:
     MATCHED = 4
 
     def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None,
-                 device_rounds: bool = False, looked_up: tuple[str, ...] = ()):
+                 device_rounds: bool = False, looked_up: tuple[str, ...] = (), lookup_gamma: int = 0):
         self.modes, self.gamma1, self.agree, self.device_rounds = modes, gamma1, agree, device_rounds
         # the levels whose proposals are lookups ('lookup' beside a model drafter, 'draft' under
         # --draft lookup): how well they draft hangs on how long a match the lookup has (lookup.MatchIndex)
@@ -334,8 +337,11 @@ class Chooser:
         # prediction leans on), then by the levels they run, so that a mode's best case is bounded by
         # the passes the modes before it timed
         self.order = tuple(sorted(modes, key=lambda m: len(ALL_LEVELS[m])))
-        self.plans = [Plan(m, g) for m in modes for g in range(1 if m != "autoregressive" else 0,
-                                                                 max_gamma(m, gamma1, gamma2) + 1)]
+        # what a mode is tried and probed at; a full pass verifying lookups alone may run them further
+        # (up to lookup_gamma: they cost no pass), where what they accepted after a match as long says so
+        self.tried = {m: max_gamma(m, gamma1, gamma2) for m in modes}
+        self.plans = [Plan(m, g) for m in modes for g in range(1 if m != "autoregressive" else 0, 1 + max(
+            self.tried[m], lookup_gamma if proposing_level(m) in self.looked_up else 0))]
         self.costs, self.acceptance = PassCosts(), Acceptance()
         self.overhead: dict[str, float] = {}  # per mode: a round's seconds outside the passes (moving average)
         self.pass_seconds = 0.0  # every timed pass so far; a round's share is the difference
@@ -442,13 +448,17 @@ class Chooser:
         its longest plan."""
         plans = [p for p in self.plans if mode in (None, p.mode)]
         measured = [p for p in plans if self.known(p.mode)]
-        return min(measured, key=self.predict) if measured else max(plans, key=lambda p: p.gamma)
+        if measured:
+            return min(measured, key=self.predict)
+        return self.longest(mode) if mode is not None else max(plans, key=lambda p: p.gamma)
 
     def longest(self, mode: str) -> Plan:
         """A probe's plan: the mode at its longest gamma, which tells the most of its acceptance and
         refreshes the cost of the widest verification, the one a plan never run again would keep
-        stale (the shorter ones are priced from the line through it and what does run)."""
-        return max((p for p in self.plans if p.mode == mode), key=lambda p: p.gamma)
+        stale (the shorter ones are priced from the line through it and what does run). Lookups are
+        tried no further than a model drafter would be: past that they pay only after a long match,
+        which the prediction, not a probe, finds."""
+        return Plan(mode, self.tried[mode])
 
     def choose(self, match: int | None = None) -> Plan:
         """The next full pass's plan; `match`: how many tokens the lookup's match spans there

@@ -46,6 +46,9 @@ class GenerationConfig:
     adaptive: bool = False
     # an adaptive run whose drafter is a model also weighs lookups in its place (modes.LOOKUP_VARIANT)
     lookup: bool = True
+    # an adaptive run may verify up to this many lookups in one full pass (gamma2 for a model's
+    # drafts): a lookup costs no pass, and after a long match it is right for long runs (a quotation)
+    lookup_gamma: int = 8
     stop_on_eos: bool = False
     # triforce's drafter->middle rounds with no host read inside (rounds.py): None decides by device
     device_rounds: bool | None = None
@@ -59,6 +62,7 @@ class GenerationConfig:
             (self.top_k >= 0, f"top-k must be >= 0 (got {self.top_k}); 0 turns it off"),
             (self.gamma1 >= 1, f"gamma1 must be >= 1 (got {self.gamma1})"),
             (self.gamma2 >= 1, f"gamma2 must be >= 1 (got {self.gamma2})"),
+            (self.lookup_gamma >= 1, f"lookup gamma must be >= 1 (got {self.lookup_gamma})"),
             (self.sink_tokens >= 0, f"sink tokens must be >= 0 (got {self.sink_tokens})"),
             (self.draft_window >= 1, f"draft window must be >= 1 (got {self.draft_window})"),
             (0 <= self.rebuild_threshold <= 1, f"rebuild threshold must be in [0, 1] (got {self.rebuild_threshold})"),

@@ -78,7 +78,8 @@ class Generator:
         beside = cfg.adaptive and cfg.lookup and models.lookup is None and modes_draft(mode)
         self.lookup = models.lookup or (LookupDrafter() if beside else None)
         self.modes = adaptive_modes(mode, beside) if cfg.adaptive else (mode,)
-        self.sizes = sizes = CacheSizes.of(cfg, mode, max_len, model_drafter=models.lookup is None)
+        self.sizes = sizes = CacheSizes.of(cfg, mode, max_len, model_drafter=models.lookup is None,
+                                           lookups=len(self.modes) > 1 and self.lookup is not None and modes_draft(mode))
         proposing = models.proposing_target or target
         drafter = None
         if sizes.streaming_slack is not None:
@@ -178,7 +179,8 @@ class Generator:
         if len(self.modes) > 1:
             looked_up = (self.lookup_level.name,) if self.lookup_level is not None else ()
             self.chooser = Chooser(self.modes, self.cfg.gamma1, self.cfg.gamma2, self.agree,
-                                   device_rounds=self.device_rounds, looked_up=looked_up)
+                                   device_rounds=self.device_rounds, looked_up=looked_up,
+                                   lookup_gamma=self.cfg.lookup_gamma)
             for level in self.seq.levels:
                 level.meter = self.chooser
 

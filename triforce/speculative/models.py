@@ -78,10 +78,13 @@ class CacheSizes:
     window: int
 
     @classmethod
-    def of(cls, cfg: GenerationConfig, mode: str, max_len: int, model_drafter: bool = True) -> "CacheSizes":
-        """`model_drafter`: the drafter is a model with a StreamingLLM cache (not a lookup)."""
+    def of(cls, cfg: GenerationConfig, mode: str, max_len: int, model_drafter: bool = True,
+           lookups: bool = False) -> "CacheSizes":
+        """`model_drafter`: the drafter is a model with a StreamingLLM cache (not a lookup);
+        `lookups`: an adaptive run weighs lookups alone, up to cfg.lookup_gamma a full pass."""
         # a device round (rounds.py) verifies up to gamma2 rounds of gamma1 + 1 positions
         widest = cfg.gamma2 * (cfg.gamma1 + 1) if mode == "triforce" else max(cfg.gamma1, cfg.gamma2)
+        widest = max(widest, cfg.lookup_gamma) if lookups else widest
         margin = max(cfg.gamma1 + cfg.gamma2, widest) + 2  # tokens one round can add beyond the committed ones
         return cls(margin=margin, widest=widest, full=max_len + margin,
                    budget=cfg.budget if retrieves(mode) else None, scratch=margin + 1,
