@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-LONGEST_NGRAM = 4  # the longest suffix matched; a shorter one serves where it finds none
+LONGEST_NGRAM = 6  # the longest suffix matched; a shorter one serves where it finds none
 
 
 class LookupDrafter:
