@@ -242,12 +242,12 @@ def test_a_lookup_is_priced_by_the_verifications_after_a_match_as_long_as_this_o
     against its prose): its edge's verifications are counted by the pass's match length, and a pass
     is priced from those of its own length once there are MATCHED; a model drafter's edge is not split."""
     chooser = Chooser(("autoregressive", "speculative", "lookup"), gamma1=3, gamma2=3, looked_up=("lookup",))
-    for match, accepted in [(1, 0)] * 12 + [(3, 3)] * 3:
+    for match, accepted in [(1, 0)] * 12 + [(3, 3)] * (Chooser.MATCHED - 1):
         chooser.match = match  # as choose(match) sets it
         chooser.verified("lookup->verify", 3, accepted)
         chooser.verified("draft->verify", 3, accepted)
     pooled = chooser.acceptance.rate("lookup->verify")
-    chooser.match = 3  # 3 after a 3-token match: too few, the pooled rate prices it
+    chooser.match = 3  # one too few after a 3-token match: the pooled rate prices it
     assert chooser.rate("lookup->verify") == pooled
     chooser.verified("lookup->verify", 3, 3)
     assert chooser.rate("lookup->verify") == chooser.acceptance.rate("lookup->verify@3") > 0.8 > pooled
@@ -277,7 +277,7 @@ def test_lookups_alone_may_run_past_gamma2_but_are_tried_and_probed_at_it():
     assert longest == {"autoregressive": 0, "speculative": 3, "lookup": 8, "triforce-lookup": 3, "retrieval": 3}
     assert chooser.longest("lookup") == Plan("lookup", 3) and chooser.best("lookup") == Plan("lookup", 3)
     # every 3 lookups after a 3-token match stood, after a 1-token match none did
-    for match, accepted in [(3, 3)] * 8 + [(1, 0)] * 8:
+    for match, accepted in [(3, 3)] * Chooser.MATCHED + [(1, 0)] * Chooser.MATCHED:
         chooser.match = match
         chooser.verified("lookup->verify", 3, accepted)
     for width in range(1, 10):  # a verification costs 10 ms and 2 more a position

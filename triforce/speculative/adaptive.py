@@ -324,7 +324,7 @@ class Chooser:
 
     # a lookup edge is priced from the verifications that followed a match as long as this pass's once
     # it has this many of them (below, from all of its verifications)
-    MATCHED = 4
+    MATCHED = 8
 
     def __init__(self, modes: tuple[str, ...], gamma1: int, gamma2: int, agree: Callable[[int], int] | None = None,
                  device_rounds: bool = False, looked_up: tuple[str, ...] = (), lookup_gamma: int = 0):

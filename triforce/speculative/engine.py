@@ -147,10 +147,8 @@ class Generator:
             self.full.cache.rollback(len(prompt))
             self.full.cache.queries = [q[None] for q in queries]
             context = list(prompt) + ([] if first is None else [first])
-            if self.matches is not None:  # the same text again (a chat's reset) keeps its index
-                same = self.context[:len(context)] == context
-                self.matches = self.matches if same else MatchIndex(self.lookup.longest)
-                self.matches.rollback(len(context))
+            if self.matches is not None:
+                self.matches.rollback(0)  # another text, perhaps: copied afresh (128K tokens: 4 ms)
             self.context = context
             self.seq.put(0, self.context)
             self.full.adopt(len(prompt))
