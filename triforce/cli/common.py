@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULTS.model, help="HF-format checkpoint folder (default: %(default)s)")
     g.add_argument("--draft", default=None, help="drafter folder, 'self' for the target's own weights "
                    "with a StreamingLLM cache, or 'lookup' for drafts looked up in the text so far (no model: "
-                   "the tokens that followed the last earlier occurrence of its last 1-3 tokens) "
+                   "the tokens that followed the last earlier occurrence of its last 1-6 tokens) "
                    "(default: the model's natural drafter)")
     g.add_argument("--dtype", default=DEFAULTS.dtype, choices=["auto", "float32", "bfloat16"],
                    help="auto (default): bfloat16 on a GPU and on a CPU that computes it natively (avx512_bf16, "
@@ -82,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser, adaptive: bool | None = None) ->
                             "not its text (default: on)")
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=DEFAULTS.lookup,
                    help="adaptive runs with a model drafter also weigh drafting by lookup in its place (the tokens "
-                        "that followed the text's last 1-3 tokens where they last appeared; no weights read), "
+                        "that followed the text's last 1-6 tokens where they last appeared; no weights read), "
                         "run where it measures cheaper: a quotation, code, a loop (default: on)")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     g.add_argument("--temperature", type=float, default=None,
