@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .config import ModelConfig
@@ -77,29 +78,69 @@ def rope_frequencies(cfg: ModelConfig, max_len: int | None = None) -> tuple[torc
 
 
 class Rotary:
-    """cos/sin for arbitrary positions, computed on the fly in float32 (no max-length table)."""
+    """cos/sin for positions, read from a table of every position's values, built once per device
+    from numpy's float64 cos and sin of the float32 angles, rounded to float32.
+
+    Why a table: torch's float32 cos on CPU goes through MKL's vector math, whose results depend on
+    the buffer's alignment, so the same prompt's keys differed between two processes in about one
+    run in five (SmolLM2 at 4K, greedy: the 12th token flipped between runs of one command); and a
+    pass computes no transcendental functions at all. A position reads the same values in a prefill,
+    a decode step and a verification pass, on any device, eager or compiled."""
 
     def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         # on the CPU even inside a model built on meta (the loaders): values, not shapes; on meta
         # torch's refs would compute them, which import torch._dynamo (a second of every run's start)
         with torch.device("cpu"):
             self.inv_freq, self.scale = rope_frequencies(cfg, max_len)
+        # the positions a device's table covers: the run's length, else the checkpoint's (a device
+        # cannot grow it without reading a position back); the CPU's covers what was asked, doubling
+        self.device_length = max(max_len or cfg.max_position_embeddings, 1)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        if max_len:  # built now, so that a compiled pass (which cannot build one) finds it
+            with torch.device("cpu"):
+                self._tables[torch.device("cpu")] = self._build(max_len)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each (T, D), for `apply_rotary`."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return _cos_signed_sin(freqs, self.scale, dtype)
+        if torch.compiler.is_compiling():
+            if positions.device not in self._tables:  # a model never run eagerly: torch's cos and sin
+                freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+                cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+                return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+        elif positions.device.type == "cpu":
+            need = int(positions.max()) + 1 if positions.numel() else 1
+            cpu = self._tables.get(torch.device("cpu"))
+            if cpu is None or cpu[0].shape[0] < need:
+                self._tables = {torch.device("cpu"): self._build(max(need, 2 * (cpu[0].shape[0] if cpu else 2048)))}
+        elif positions.device not in self._tables:
+            cpu = self._build(self.device_length)
+            self._tables[positions.device] = tuple(t.to(positions.device) for t in cpu)
+        cos, sin = self._tables[positions.device]
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
-        """Rotate already-rotated vectors (T, H, D) by `delta` positions: a pure rotation, no mscale."""
-        freqs = torch.full((1,), float(delta), device=x.device)[:, None] * self.inv_freq.to(x.device)[None, :]
-        return apply_rotary(x, *_cos_signed_sin(freqs, 1.0, x.dtype))
+        """Rotate already-rotated vectors (T, H, D) by `delta` positions: a pure rotation, no mscale.
+        The angles of -delta are those of delta negated (exactly), so cos is the same, sin negated."""
+        freqs = torch.full((1,), float(abs(delta)), device="cpu")[:, None] * self.inv_freq.cpu()[None, :]
+        cos, sin = _cos_sin_of(freqs)
+        sin = -sin if delta < 0 else sin
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        return apply_rotary(x, torch.cat((cos, cos), dim=-1).to(x.dtype), torch.cat((-sin, sin), dim=-1).to(x.dtype))
+
+    def _build(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions 0..length-1, each (length, D / 2) float32 on the CPU, times the
+        scaling's factor (YaRN's mscale)."""
+        freqs = torch.arange(length, dtype=torch.float32, device="cpu")[:, None] * self.inv_freq.cpu()[None, :]
+        return tuple(t * self.scale for t in _cos_sin_of(freqs))
 
 
-def _cos_signed_sin(freqs: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # the minus of rotate-half's first half rides in sin, which saves a kernel per application
-    cos, sin = freqs.cos() * scale, freqs.sin() * scale
-    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+def _cos_sin_of(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of float32 angles (CPU), by numpy in float64 rounded to float32: the same bits
+    whatever the buffer's alignment or the threads (no MKL)."""
+    angles = freqs.double().numpy()
+    return (torch.from_numpy(np.cos(angles).astype(np.float32)),
+            torch.from_numpy(np.sin(angles).astype(np.float32)))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
