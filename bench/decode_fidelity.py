@@ -13,6 +13,7 @@ book one pass each (teacher-forced), then the same tokens again as one pass.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from contextlib import contextmanager
@@ -57,10 +58,11 @@ def attention_errors(folder: str, ids: torch.Tensor, context: int) -> list[tuple
     """Per layer of the decode step after `context` tokens: the mean error of `attend` and of the bmm
     path against float64 attention of the same inputs, relative to softmax . |values|."""
     model = load_model(folder, torch.bfloat16, "cpu", max_len=context + 8, weights="stored")
-    cache = FullCache(model.kv_shape(), context + 8)
+    # plain keys (not the tiles a bf16 model's cache takes), so that the cache's rows are the keys
+    cache = FullCache(dataclasses.replace(model.kv_shape(), tiled_keys=False), context + 8)
     seen, kernel = [], decode_attention.cache_attend
-    def record(q, k, v, cache_k, cache_v, layer, start, scale):
-        out = kernel(q, k, v, cache_k, cache_v, layer, start, scale)
+    def record(q, k, v, cache_k, cache_v, layer, start, scale, *layout):
+        out = kernel(q, k, v, cache_k, cache_v, layer, start, scale, *layout)
         seen.append((q.clone(), cache_k[layer, :, :start + 1].clone(), cache_v[layer, :, :start + 1].clone(), out))
         return out
     with torch.inference_mode():

@@ -1,15 +1,18 @@
 """bfloat16 products on stored blocks through stored_bf16's records kernels: each output is the float64
 product with the GGUF's dequantized weights but for float32 sums and one rounding to bfloat16, every
-weight reads back exactly, and PackedLinear takes the kernels for few bf16 rows (compiled too)."""
+weight reads back exactly, and PackedLinear takes the kernels for few bf16 rows (compiled too). Each
+test runs over the avx512 kernels and, on a CPU with AMX, over stored_amx's tile kernels, which
+every product takes there."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from triforce.model import cpu_kernels, stored_bf16
+from triforce.model import cpu_kernels, stored_amx, stored_bf16
 from triforce.model.gguf_blocks import Blocks
 from triforce.model.stored import concat_blocks, packed_from_blocks
 
@@ -19,6 +22,16 @@ needs_kernels = pytest.mark.skipif(not stored_bf16.available(),
                                    reason="no avx512_bf16 or no C++ compiler: the int4 kernel serves")
 BF16_UNIT_ROUNDOFF = 2 ** -8  # relative: one rounding to nearest bfloat16 (8 significant bits)
 F32_EPS = 2 ** -24
+
+
+@pytest.fixture(params=["avx512", "amx"], autouse=True)
+def kernels(request, monkeypatch):
+    """The products through the avx512 kernels, or through AMX tiles (where the CPU has them)."""
+    if request.param == "amx" and not stored_amx.available():
+        pytest.skip("no AMX here (or TRIFORCE_AMX=0): the avx512 kernels serve every product")
+    if request.param == "avx512":
+        monkeypatch.setattr(stored_amx, "available", lambda: False)
+    return request.param
 
 
 def product_error_ok(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -65,6 +78,19 @@ def test_a_row_of_a_batch_is_that_row_alone(kind):
     x = (torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * 2).bfloat16()
     alone = torch.cat([layer(x[r:r + 1]) for r in range(9)])
     for rows in (2, 3, 4, 5, 7, 9):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_rows_past_a_tile_are_each_row_alone(kind):
+    """AMX takes rows 16 at a time (a tile): the rows of a second and third tile, a partial one
+    last, are still each row's own one-row product; so are the avx512 kernels' groups of 4."""
+    k = 256
+    layer = packed_from_blocks(blocks_of(kind, 104, k, seed=5), torch.bfloat16)  # 7 groups: sets of 2 and 3 with a partial
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6)).bfloat16()
+    alone = torch.cat([layer(x[r:r + 1]) for r in range(40)])
+    for rows in (16, 17, 33, 40):
         assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
@@ -129,3 +155,14 @@ def test_kernels_build_where_the_cpu_has_avx512_bf16():
     if not cpu_kernels.cpu_has() or shutil.which("c++") is None:
         pytest.skip("no avx512_bf16 or no C++ compiler")
     assert stored_bf16.available()
+
+
+def test_amx_kernels_build_where_the_cpu_has_amx(kernels, monkeypatch):
+    """The same for AMX: a CPU with its tiles and a compiler must get them (Linux lends the tiles)."""
+    if kernels == "amx":
+        pytest.skip("checked once, with the real `available` (the avx512 parameter's, restored)")
+    monkeypatch.undo()
+    if (not cpu_kernels.cpu_has(stored_amx.AMX) or shutil.which("c++") is None
+            or os.environ.get("TRIFORCE_AMX") == "0"):
+        pytest.skip("no AMX, no C++ compiler, or TRIFORCE_AMX=0")
+    assert stored_amx.available()

@@ -22,12 +22,13 @@ REPORT_SECONDS = 0.5  # how often the report's clock moves while modules compile
 def kernels(dtype: torch.dtype, stored: bool = True) -> list[Kernel]:
     """The kernel modules a CPU run in `dtype` uses that this CPU can run: the pool, the layer ops,
     attention in the dtype's own code (bfloat16: avx512_bf16; float32: avx2) and, with `stored`
-    (weights kept as a GGUF's blocks), the stored blocks' products in that code."""
-    from . import cpu_pool, decode_attention, decode_attention_f32, layer_ops, stored_avx2, stored_bf16
+    (weights kept as a GGUF's blocks), the stored blocks' products in that code (bfloat16 with AMX:
+    its tile kernels too)."""
+    from . import cpu_pool, decode_attention, decode_attention_f32, layer_ops, stored_amx, stored_avx2, stored_bf16
 
     modules = [cpu_pool, layer_ops]
     if dtype == torch.bfloat16:
-        modules += [decode_attention] + ([stored_bf16] if stored else [])
+        modules += [decode_attention] + ([stored_bf16] + ([] if stored_amx.OFF else [stored_amx]) if stored else [])
     elif dtype == torch.float32:
         modules += [decode_attention_f32] + ([stored_avx2] if stored else [])
     return [m.KERNEL for m in modules if m.KERNEL.fits()]

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, stored_amx
+from .block_decode import RECORDS_CPP
 
 LANES = 16  # output rows per group: one per float32 lane of a 512-bit vector
 BLOCK = 32
@@ -43,60 +44,11 @@ BLOCK = 32
 # tokens it did not see, or refilling its window, feeds tens to hundreds of rows.
 MAX_ROWS = 256
 
-SOURCE = r"""
-// every function here avx512 code, the lambda torch's threads run included: one without the target
-// passes its __m512 accumulators to store_group by another convention (garbage in 12 of 16 lanes)
+SOURCE = RECORDS_CPP + r"""
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
 
 namespace {
-
-constexpr int64_t GRAIN_WEIGHTS = int64_t(1) << 18;  // a thread's least share: ~4 us at memory speed
-
-// bfloat16 bit patterns of 32 table entries: vpermw indexes with a word's low 5 bits, so entry i
-// is the value of the nibble i & 15 (bit 4 of the index is another nibble's, and ignored)
-struct Tables {
-  alignas(64) bf16 unsigned_nibble[32];  // 0..15
-  alignas(64) bf16 signed_high[32];      // 16 * h, h the nibble as 4-bit two's complement: -128..112
-};
-
-inline bf16 exact_bf16(float v) {  // small integers: the top 16 bits of the float32 are the value
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return bf16(u >> 16);
-}
-
-const Tables& tables() {
-  static const Tables t = [] {
-    Tables t;
-    for (int i = 0; i < 32; ++i) {
-      int nibble = i & 15;
-      t.unsigned_nibble[i] = exact_bf16(float(nibble));
-      t.signed_high[i] = exact_bf16(float(16 * (nibble < 8 ? nibble : nibble - 16)));
-    }
-    return t;
-  }();
-  return t;
-}
-
-AVX512 inline __m512 load_scales(const uint16_t* p) {  // 16 f16 values, widened exactly
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-AVX512 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
-
-AVX512 inline __m512bh lookup(__m512i words, __m512i table) {
-  return (__m512bh)_mm512_permutexvar_epi16(words, table);
-}
-
-// The 4 column pairs of one vector of code words as bfloat16 pairs. Q4: nibble k of each half is
-// column pair k, all through the unsigned table. Q8: bytes 0 and 2 of a word (its halves' low bytes)
-// are one column pair, bytes 1 and 3 the next: low nibbles unsigned, high nibbles signed times 16.
-AVX512 inline void decode4(__m512i v, __m512i low_table, __m512i high_table, __m512bh* w) {
-  w[0] = lookup(v, low_table);
-  w[1] = lookup(_mm512_srli_epi16(v, 4), high_table);
-  w[2] = lookup(_mm512_srli_epi16(v, 8), low_table);
-  w[3] = lookup(_mm512_srli_epi16(v, 12), high_table);
-}
 
 // acc[r] += block sums q . x of 16 column pairs w[j] for NR rows of x, pair j being columns
 // 2 * PAIR(j) of the block (pair_of). Four chains per row (dpbf16's latency), at any number of rows:
@@ -113,9 +65,6 @@ AVX512 inline void dots(const __m512bh* w, const uint32_t* const* x, PairOf pair
     for (int c = 0; c < CH; ++c) t[r] = _mm512_add_ps(t[r], chain[c]);
   }
 }
-
-template <typename Scale> constexpr int q4_record() { return 256 + 2 * 16 * int(sizeof(Scale)); }
-template <typename Scale> constexpr int q8_record() { return 512 + 16 * int(sizeof(Scale)); }
 
 // One group of 16 output rows against NR rows of x (x pairs per row, sx: block sums of x per row)
 template <int NR, typename Scale>
@@ -175,36 +124,14 @@ GroupFn group_fn(int rows) {
 template <int NR, typename Scale> struct Q4 { static constexpr GroupFn fn = q4_group<NR, Scale>; };
 template <int NR, typename Scale> struct Q8 { static constexpr GroupFn fn = q8_group<NR, Scale>; };
 
-// sums of x over each block of 32 columns, float32: the min's factor
-AVX512 void block_sums(const bf16* x, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b)
-    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(widen(x + 32 * b), widen(x + 32 * b + 16)));
-}
-
-AVX512 void store_group(__m512 acc, bf16* out, int64_t valid) {
-  if (valid >= 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(acc));
-    return;
-  }
-  alignas(32) bf16 all[16];  // a last partial group: its padding rows stay out of the output
-  _mm256_store_si256(reinterpret_cast<__m256i*>(all), to_bf16(acc));
-  std::memcpy(out, all, valid * sizeof(bf16));
-}
-
 AVX512 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int64_t out_features, bool q4) {
-  auto x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 (rows, K)");
-  TORCH_CHECK(records.dim() == 3 && records.scalar_type() == at::kByte && records.is_contiguous(),
-              "records must be uint8 (groups, blocks, record bytes)");
-  int64_t R = x.size(0), K = x.size(1), groups = records.size(0), blocks = records.size(1), bytes = records.size(2);
-  TORCH_CHECK(K == 32 * blocks && out_features <= 16 * groups && out_features > 16 * (groups - 1), "shapes disagree");
-  bool f32 = bytes == (q4 ? q4_record<float>() : q8_record<float>());
-  TORCH_CHECK(f32 || bytes == (q4 ? q4_record<uint16_t>() : q8_record<uint16_t>()), "unknown record size");
-  std::vector<float> sums(q4 ? R * blocks : 0);
-  for (int64_t r = 0; q4 && r < R; ++r) block_sums(data(x) + r * K, blocks, sums.data() + r * blocks);
-  auto out = at::empty({R, out_features}, x.options());
-  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
-  const uint8_t* rec = records.const_data_ptr<uint8_t>();
+  Product call(x_in, records, out_features, q4);
+  const int64_t R = call.R, K = call.K, groups = call.groups, blocks = call.blocks, bytes = call.bytes;
+  const bool f32 = call.f32;
+  const uint8_t* rec = call.rec;
+  bf16* o = call.o;
+  const auto& x = call.x;
+  const auto& sums = call.sums;
   // groups of output rows split over torch's threads, each thread's share at least GRAIN_WEIGHTS
   // weight-rows of work (smaller matrices stay on one); a group's outputs do not depend on the split
   const int64_t grain = std::max<int64_t>(1, GRAIN_WEIGHTS / (16 * K * std::max<int64_t>(R, 1)));
@@ -227,7 +154,7 @@ AVX512 at::Tensor product(const at::Tensor& x_in, const at::Tensor& records, int
     }
   }
   });
-  return out;
+  return call.out;
 }
 
 at::Tensor q4_product(const at::Tensor& x, const at::Tensor& records, int64_t n) { return product(x, records, n, true); }
@@ -256,11 +183,13 @@ KERNEL = cpu_kernels.Kernel("triforce_stored_bf16", SOURCE, pool_ops="triforce_s
 def available() -> bool:
     """Whether the kernels build here and compute the dequantized product on a small case (any
     failure keeps torch's int4 kernel). Asked once per process."""
-    return cpu_kernels.built(KERNEL, _register_shapes, _self_check)
+    return cpu_kernels.built(KERNEL, register_shapes, _self_check)
 
 
-def _self_check() -> bool:
-    """Both kernels against the dequantized weights on 3 rows of a 24 x 64 matrix (a partial group)."""
+def _self_check(q4_product=None, q8_product=None) -> bool:
+    """Both kernels (these, or stored_amx's) against the dequantized weights on 3 rows of a 24 x 64
+    matrix (a partial group)."""
+    q4_product, q8_product = q4_product or _q4_avx512, q8_product or _q8_avx512
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=g).bfloat16()
     d = (torch.rand(24, 2, generator=g) * 0.01).half().float()
@@ -276,22 +205,35 @@ def _self_check() -> bool:
     return ok
 
 
-def _register_shapes() -> None:
+def register_shapes(namespace: str = "triforce_stored") -> None:
     """What the ops return, for torch.compile's tracing (which runs no kernel)."""
     for op in ("q4_product", "q8_product"):
-        @torch.library.register_fake(f"triforce_stored::{op}")
+        @torch.library.register_fake(f"{namespace}::{op}")
         def _(x, records, out_features):
             return x.new_empty(x.shape[0], out_features)
 
 
-def q4_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x (R, K) bf16 . W^T for W = d * q + m as Q4 records -> (R, out_features) bf16."""
+def _q4_avx512(x, records, out_features):
     return torch.ops.triforce_stored.q4_product(x, records, out_features)
 
 
-def q8_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x (R, K) bf16 . W^T for W = d * q as Q8 records -> (R, out_features) bf16."""
+def _q8_avx512(x, records, out_features):
     return torch.ops.triforce_stored.q8_product(x, records, out_features)
+
+
+def q4_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (R, K) bf16 . W^T for W = d * q + m as Q4 records -> (R, out_features) bf16 (through AMX
+    tiles where the CPU has them: every row count takes one path, stored_amx's docstring says why)."""
+    if stored_amx.available():
+        return torch.ops.triforce_stored_amx.q4_product(x, records, out_features)
+    return _q4_avx512(x, records, out_features)
+
+
+def q8_product(x: torch.Tensor, records: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (R, K) bf16 . W^T for W = d * q as Q8 records -> (R, out_features) bf16 (as q4_product)."""
+    if stored_amx.available():
+        return torch.ops.triforce_stored_amx.q8_product(x, records, out_features)
+    return _q8_avx512(x, records, out_features)
 
 
 # --- the records (layout in the module docstring) ----------------------------------------------------
