@@ -14,7 +14,9 @@ model on avx512_bf16 builds) against one whose keys are not, alternating pass by
 tree's under another op namespace, as bench.attention_rows --old does): a pass whose layers call
 REV's `cache_attend` over the key layout `--key-layouts` names (the model's own by default; `plain`
 for a revision before key tiles), then this tree's over the model's own, so a change is timed
-without another process's noise.
+without another process's noise. `--products amx,avx512` (a CPU with AMX) times the weight products
+over stored blocks through AMX tiles (model/stored_amx.py, the default there) against the avx512
+kernels, pass by pass over one cache.
 """
 from __future__ import annotations
 
@@ -41,11 +43,18 @@ def parse_args(argv):
                    "(default: the one the model builds)")
     p.add_argument("--against", default="", help="a git revision whose bf16 attention kernels to time "
                    "beside this tree's (decode_attention.cache_attend), pass by pass")
+    p.add_argument("--products", default="", help="'amx,avx512': the weight products over stored blocks "
+                   "through AMX tiles and through the avx512 kernels, pass by pass (an AMX CPU)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     args.key_layouts = [name for name in args.key_layouts.split(",") if name]
     if not set(args.key_layouts) <= {"tiled", "plain"}:
         p.error("--key-layouts takes tiled and/or plain")
+    args.products = [name for name in args.products.split(",") if name]
+    if not set(args.products) <= {"amx", "avx512"}:
+        p.error("--products takes amx and/or avx512")
+    if args.products and (args.key_layouts or args.against):
+        p.error("--products times one cache and this tree's attention: drop --key-layouts/--against")
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.tokens = [int(t) for t in args.tokens.split(",")]
     return args
@@ -53,25 +62,26 @@ def parse_args(argv):
 
 def pass_ms(model, setups: dict, length: int, T: int, repeats: int) -> dict[str, float]:
     """Median ms of a pass of T tokens for each setup (name -> (cache filled to `length`, the
-    cache_attend its layers call)), the setups in turn."""
+    cache_attend its layers call[, whether the stored products take AMX tiles])), the setups in turn."""
     import torch
 
-    from triforce.model import decode_attention
+    from triforce.model import decode_attention, stored_amx
 
     tokens = torch.randint(0, model.cfg.vocab_size, (T,))
     times = {name: [] for name in setups}
-    ours = decode_attention.cache_attend
+    ours, amx = decode_attention.cache_attend, stored_amx.available
     try:
         with torch.no_grad():
             for i in range(repeats + 1):  # the first is a warm-up
-                for name, (cache, kernel) in setups.items():
+                for name, (cache, kernel, *products) in setups.items():
                     decode_attention.cache_attend = kernel
+                    stored_amx.available = amx if not products or products[0] else (lambda: False)
                     start = time.perf_counter()
                     model(tokens, cache)
                     times[name].append(time.perf_counter() - start)
                     cache.rollback(length)
     finally:
-        decode_attention.cache_attend = ours
+        decode_attention.cache_attend, stored_amx.available = ours, amx
     return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
 
 
@@ -104,6 +114,14 @@ def setups_for(model, args, slots: int) -> dict:
     from triforce.speculative.caches import FullCache
 
     caches = build_caches(model, args.key_layouts, slots)
+    if args.products:
+        from triforce.model import stored_amx
+
+        if "amx" in args.products and not stored_amx.available():
+            raise UserError("no AMX products here (the CPU lacks AMX, no C++ compiler, or TRIFORCE_AMX=0); "
+                            "drop --products")
+        (cache,) = caches.values()
+        return {name: (cache, decode_attention.cache_attend, name == "amx") for name in args.products}
     if not args.against:
         return {name: (cache, decode_attention.cache_attend) for name, cache in caches.items()}
     if len(caches) > 1:
@@ -144,12 +162,12 @@ def main(argv=None) -> int:
     setups = setups_for(model, args, longest)
     table = Table(title=f"{Path(args.model).name} ({args.dtype}), {torch.get_num_threads()} threads: ms per pass")
     names = list(setups)
-    label = "attention" if args.against else "keys" if args.key_layouts else ""
+    label = "attention" if args.against else "keys" if args.key_layouts else "products" if args.products else ""
     for col in ("cached S", *([label] if label else []), *(f"T={t}" for t in args.tokens)):
         table.add_column(col, justify="right")
     points, start = len(args.contexts) * len(args.tokens), time.perf_counter()
     for S in args.contexts:
-        for cache, _ in setups.values():  # random keys and values: the cost does not depend on them
+        for cache, *_ in setups.values():  # random keys and values: the cost does not depend on them
             cache.k.normal_()
             cache.v.normal_()
             cache.used = cache.length = S
