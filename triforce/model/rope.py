@@ -92,9 +92,9 @@ class Rotary:
         # torch's refs would compute them, which import torch._dynamo (a second of every run's start)
         with torch.device("cpu"):
             self.inv_freq, self.scale = rope_frequencies(cfg, max_len)
-        # the positions a device's table covers: the run's length, else the checkpoint's (a device
-        # cannot grow it without reading a position back); the CPU's covers what was asked, doubling
-        self.device_length = max(max_len or cfg.max_position_embeddings, 1)
+        # the positions a table covers: the run's length, else the checkpoint's; a CPU table grows
+        # when a position falls past it (no device reads a position back to find out)
+        self.length = max(max_len or cfg.max_position_embeddings, 1)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         if max_len:  # built now, so that a compiled pass (which cannot build one) finds it
             with torch.device("cpu"):
@@ -102,30 +102,36 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each (T, D), for `apply_rotary`."""
-        if torch.compiler.is_compiling():
-            if positions.device not in self._tables:  # a model never run eagerly: torch's cos and sin
-                freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
-                cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
-                return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
-        elif positions.device.type == "cpu":
-            need = int(positions.max()) + 1 if positions.numel() else 1
-            cpu = self._tables.get(torch.device("cpu"))
-            if cpu is None or cpu[0].shape[0] < need:
-                self._tables = {torch.device("cpu"): self._build(max(need, 2 * (cpu[0].shape[0] if cpu else 2048)))}
-        elif positions.device not in self._tables:
-            cpu = self._build(self.device_length)
-            self._tables[positions.device] = tuple(t.to(positions.device) for t in cpu)
-        cos, sin = self._tables[positions.device]
-        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        if torch.compiler.is_compiling() and positions.device not in self._tables:
+            # a model never run eagerly: torch's cos and sin (a compiled graph cannot build the table)
+            freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+            cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        else:
+            try:
+                cos, sin = (t.index_select(0, positions) for t in self._table(positions.device))
+            except (IndexError, RuntimeError):  # past a CPU table's end (a device's is the run's length)
+                if positions.device.type != "cpu" or torch.compiler.is_compiling():
+                    raise
+                self.length = max(2 * self.length, int(positions.max()) + 1)
+                self._tables.clear()
+                cos, sin = (t.index_select(0, positions) for t in self._table(positions.device))
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._tables:
+            cpu = self._tables.get(torch.device("cpu"))
+            if cpu is None or cpu[0].shape[0] < self.length:
+                cpu = self._tables[torch.device("cpu")] = self._build(self.length)
+            self._tables[device] = tuple(t.to(device) for t in cpu)
+        return self._tables[device]
 
     def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
         """Rotate already-rotated vectors (T, H, D) by `delta` positions: a pure rotation, no mscale.
         The angles of -delta are those of delta negated (exactly), so cos is the same, sin negated."""
-        freqs = torch.full((1,), float(abs(delta)), device="cpu")[:, None] * self.inv_freq.cpu()[None, :]
-        cos, sin = _cos_sin_of(freqs)
+        freqs = torch.full((1,), float(abs(delta)), device=x.device)[:, None] * self.inv_freq.to(x.device)[None, :]
+        # on a GPU torch's own (no MKL there, and no host-to-device copy inside a device round)
+        cos, sin = _cos_sin_of(freqs) if x.device.type == "cpu" else (freqs.cos(), freqs.sin())
         sin = -sin if delta < 0 else sin
-        cos, sin = cos.to(x.device), sin.to(x.device)
         return apply_rotary(x, torch.cat((cos, cos), dim=-1).to(x.dtype), torch.cat((-sin, sin), dim=-1).to(x.dtype))
 
     def _build(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
