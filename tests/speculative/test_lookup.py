@@ -164,7 +164,7 @@ def test_device_rounds_with_lookups_read_once_per_round(target, rounds):
     if rounds == "whole":
         enable_cuda_graphs(gen, eager_static=True)
     gen.prefill(ids)
-    steps = assert_one_read_per_round(gen, len(ids) + 40)
+    assert_one_read_per_round(gen, len(ids) + 40)
 
 
 
