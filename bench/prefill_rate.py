@@ -9,6 +9,9 @@ is against its strongest configuration, not its default. Systems alternate withi
 after a warm-up each (the prompt's first 1,024 tokens), so load from other jobs falls on both; times
 are the best of --repeats.
 The last position's logits of the two are compared too: equal outputs make the rates comparable.
+"ours" is the engine as it runs here: bf16 pieces' attention through our kernel, or on a CPU with AMX
+through torch's SDPA (attention.prefill_kernel_serves); --sdpa-too adds the other path ("ours-sdpa" or
+"ours-kernel").
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=None, help="our prefill chunk (default: GenerationConfig's)")
     p.add_argument("--hf-chunks", default="0,512", help="transformers' feeds to try, comma-separated (0 = one call)")
     p.add_argument("--sdpa-too", action="store_true",
-                   help="also time ours with torch's SDPA in place of our bf16 prefill attention kernel")
+                   help="also time ours with the bf16 prefill attention this CPU does not default to "
+                        "(our kernel, or torch's SDPA)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--debug", action="store_true")
@@ -53,9 +57,10 @@ def prompt_ids(folder: str, text: str, tokens: int) -> list[int]:
     return ids[-tokens:]
 
 
-def ours_prefill(model, ids: list[int], chunk: int, kernel: bool = True):
-    """Seconds for our prefill of ids, and the last position's logits; `kernel` off: bf16 pieces'
-    attention through torch's SDPA (attention.PREFILL_KERNEL)."""
+def ours_prefill(model, ids: list[int], chunk: int, kernel: bool | None = None):
+    """Seconds for our prefill of ids, and the last position's logits; `kernel`: bf16 pieces' attention
+    through our kernel (True), torch's SDPA (False) or the engine's choice here (None;
+    attention.PREFILL_KERNEL)."""
     import torch
 
     from triforce.model import attention
@@ -71,7 +76,7 @@ def ours_prefill(model, ids: list[int], chunk: int, kernel: bool = True):
         gen.prefill(ids)
         seconds = time.perf_counter() - start
     finally:
-        attention.PREFILL_KERNEL = True
+        attention.PREFILL_KERNEL = None
     gen.full.cache.rollback(len(ids) - 1)  # the last token again, for its logits (not timed)
     with torch.inference_mode():
         logits = gen.full.model(torch.tensor(ids[-1:]), gen.full.cache)[-1]
@@ -123,8 +128,10 @@ def measure(folder: str, text: str, tokens: int, dtype: str, chunk: int, hf_chun
     ids = prompt_ids(folder, text, tokens)
     ours, hf = load_pair(folder, dtype, tokens)
     runs = {"ours": lambda part: ours_prefill(ours, part, chunk)}
+    kernel_default = attention_default()
+    other = "ours-sdpa" if kernel_default else "ours-kernel"
     if sdpa_too:
-        runs["ours-sdpa"] = lambda part: ours_prefill(ours, part, chunk, kernel=False)
+        runs[other] = lambda part: ours_prefill(ours, part, chunk, kernel=not kernel_default)
     runs.update({f"hf:{c}": (lambda part, c=c: hf_prefill(hf, part, c)) for c in hf_chunks})
     for run in runs.values():
         run(ids[:WARMUP_TOKENS])
@@ -139,13 +146,24 @@ def measure(folder: str, text: str, tokens: int, dtype: str, chunk: int, hf_chun
                   f"in {seconds:.1f} s ({tokens / seconds:,.1f} tokens/s)", file=sys.stderr, flush=True)
     best = {name: min(t) for name, t in times.items()}
     hf_best = min((n for n in runs if n.startswith("hf:")), key=best.get)
-    sdpa = {"ours_sdpa_tokens_per_s": tokens / best["ours-sdpa"], "kernel_over_sdpa": best["ours-sdpa"] / best["ours"],
-            "sdpa_last_logits_max_abs_diff": (logits["ours"] - logits["ours-sdpa"]).abs().max().item()} if sdpa_too else {}
-    return {**sdpa, "model": Path(folder).name, "dtype": dtype, "tokens": tokens, "chunk": chunk,
+    sdpa = {}
+    if sdpa_too:
+        kernel, via_sdpa = ("ours", other) if kernel_default else (other, "ours")
+        sdpa = {"ours_kernel_tokens_per_s": tokens / best[kernel], "ours_sdpa_tokens_per_s": tokens / best[via_sdpa],
+                "kernel_over_sdpa": best[via_sdpa] / best[kernel],
+                "sdpa_last_logits_max_abs_diff": (logits[kernel] - logits[via_sdpa]).abs().max().item()}
+    return {**sdpa, "prefill_attention": "kernel" if kernel_default else "sdpa", "model": Path(folder).name, "dtype": dtype, "tokens": tokens, "chunk": chunk,
             "hf_chunk": int(hf_best.split(":")[1]), "ours_tokens_per_s": tokens / best["ours"],
             "hf_tokens_per_s": tokens / best[hf_best], "ratio": best[hf_best] / best["ours"],
             "seconds": times, "last_logits_max_abs_diff": (logits["ours"] - logits[hf_best]).abs().max().item(),
             "same_next_token": int(logits["ours"].argmax()) == int(logits[hf_best].argmax())}
+
+
+def attention_default() -> bool:
+    """Whether the engine's bf16 prefill pieces take our kernel on this CPU (else torch's SDPA)."""
+    from triforce.model import attention
+
+    return attention.prefill_kernel_serves()
 
 
 def table(rows: list[dict], threads: int):
@@ -153,12 +171,15 @@ def table(rows: list[dict], threads: int):
 
     t = Table(title=f"prefill rate, {threads} thread(s): ours vs transformers (best of its feeds)")
     sdpa = any("kernel_over_sdpa" in r for r in rows)
-    for col in ("model", "dtype", "tokens", "ours tok/s", *(("ours, SDPA", "kernel/SDPA") if sdpa else ()),
+    # with --sdpa-too "ours" is one of the two paths (the caption says which)
+    for col in ("model", "dtype", "tokens", *(("kernel tok/s", "SDPA tok/s", "kernel/SDPA") if sdpa else ("ours tok/s",)),
                 "hf tok/s", "hf feed", "ours/hf", "|dlogit|"):
         t.add_column(col, justify="left" if col in ("model", "dtype") else "right")
+    t.caption = f"ours: bf16 pieces' attention through {'our kernel' if attention_default() else 'SDPA (a CPU with AMX)'}"
     for r in rows:
-        extra = (f"{r['ours_sdpa_tokens_per_s']:,.1f}", f"{r['kernel_over_sdpa']:.2f}x") if "kernel_over_sdpa" in r else ("-", "-")
-        t.add_row(r["model"], r["dtype"], f"{r['tokens']:,}", f"{r['ours_tokens_per_s']:,.1f}", *(extra if sdpa else ()),
+        extra = ((f"{r['ours_kernel_tokens_per_s']:,.1f}", f"{r['ours_sdpa_tokens_per_s']:,.1f}", f"{r['kernel_over_sdpa']:.2f}x")
+                 if "kernel_over_sdpa" in r else ("-", "-", "-"))
+        t.add_row(r["model"], r["dtype"], f"{r['tokens']:,}", *(extra if sdpa else (f"{r['ours_tokens_per_s']:,.1f}",)),
                   f"{r['hf_tokens_per_s']:,.1f}", f"{r['hf_chunk'] or 'one call'}", f"{r['ratio']:.2f}x",
                   f"{r['last_logits_max_abs_diff']:.2g}")
     return t

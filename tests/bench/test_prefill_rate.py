@@ -72,9 +72,12 @@ def wide_heads(tmp_path_factory):
 
 
 def test_sdpa_too_times_our_kernel_against_sdpa(wide_heads, tmp_path, capsys, monkeypatch):
-    """--sdpa-too: ours with the prefill kernel and with torch's SDPA, alternating; the kernel runs in
-    the first only (where it builds), and the two agree on the last logits within bf16's rounding."""
-    from triforce.model import decode_attention
+    """--sdpa-too: ours as the engine runs here and ours through the other prefill attention (our
+    kernel, or torch's SDPA), alternating; the kernel runs in its run only (where it builds), and the
+    two agree on the last logits within bf16's rounding."""
+    from triforce.model import attention, decode_attention
+
+    kernel_default = attention.prefill_kernel_serves()
 
     served = []
     kernel = decode_attention.prefill
@@ -87,10 +90,13 @@ def test_sdpa_too_times_our_kernel_against_sdpa(wide_heads, tmp_path, capsys, mo
     printed = capsys.readouterr()
     assert "kernel/SDPA" in printed.out
     progress = [line.split(" repeat")[0].split()[-1] for line in printed.err.splitlines() if line.startswith("prefill_rate:")]
-    assert progress == ["ours", "ours-sdpa", "hf:0"]
+    other = "ours-sdpa" if kernel_default else "ours-kernel"
+    assert progress == ["ours", other, "hf:0"]
     (row,) = json.loads(out.read_text())["rows"]
-    assert set(row["seconds"]) == {"ours", "ours-sdpa", "hf:0"}
-    assert row["kernel_over_sdpa"] == pytest.approx(row["ours_tokens_per_s"] / row["ours_sdpa_tokens_per_s"])
+    assert set(row["seconds"]) == {"ours", other, "hf:0"}
+    assert row["prefill_attention"] == ("kernel" if kernel_default else "sdpa")
+    assert row["kernel_over_sdpa"] == pytest.approx(row["ours_kernel_tokens_per_s"] / row["ours_sdpa_tokens_per_s"])
+    assert attention.PREFILL_KERNEL is None  # the engine's choice again after the runs
     assert row["sdpa_last_logits_max_abs_diff"] < 0.25
-    if decode_attention.available():  # pieces of 100, 100 and 56 tokens, 2 layers, in ours' warm-up and run only
+    if decode_attention.available():  # pieces of 100, 100 and 56 tokens, 2 layers, in the kernel's warm-up and run only
         assert sorted(served) == [56] * 4 + [100] * 8

@@ -85,17 +85,20 @@ def test_prefill_refuses_what_does_not_fit():
 
 
 @needs_kernels
-@pytest.mark.parametrize("start", [0, 90])
-def test_attend_takes_the_kernel_for_a_bf16_piece(start, monkeypatch):
-    """attention.attend sends a bf16 piece of >= SDPA_MIN_QUERIES tokens to the kernel, and its output
-    stays within the bound of torch's SDPA (float32 inside) on the same inputs."""
+@pytest.mark.parametrize("start,setting", [(0, True), (90, True), (90, False), (90, None)])
+def test_attend_takes_the_chosen_path_for_a_bf16_piece(start, setting, monkeypatch):
+    """attention.attend sends a bf16 piece of >= SDPA_MIN_QUERIES tokens to the kernel where it is chosen
+    (PREFILL_KERNEL, by default this CPU's choice), else to torch's SDPA, and either output stays within
+    the bound of float64 attention on the same inputs."""
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", setting)
     T = attention.SDPA_MIN_QUERIES + 7
     q, keys, tiled, values = piece(T, start, 3, 3, 64, seed=start)
     calls = []
     kernel = bf16.prefill
     monkeypatch.setattr(bf16, "prefill", lambda *a: calls.append(a[3]) or kernel(*a))
     got = attention.attend(q, tiled, values, tiled=True)
-    assert calls == [start]
+    chosen = attention.prefill_kernel_serves() if setting is None else setting
+    assert calls == ([start] if chosen else [])
     want, scale = reference(q, keys, values, start)
     sdpa = F.scaled_dot_product_attention(q.transpose(0, 1)[None].double(), keys[None].double(),
                                           values[None].double(), enable_gqa=True,
@@ -103,3 +106,21 @@ def test_attend_takes_the_kernel_for_a_bf16_piece(start, monkeypatch):
     assert torch.allclose(sdpa[0].transpose(0, 1).reshape(T, -1), want, atol=1e-9)
     assert ((got.double() - want).abs() / scale).max().item() <= BOUND
     assert ((attention.attend(q, keys, values).double() - want).abs() / scale).max().item() <= BOUND
+
+
+@pytest.mark.parametrize("flags,tiles,kernel", [({"avx512_bf16"}, True, True), ({"avx512_bf16", "amx_bf16"}, False, True),
+                                                ({"avx512_bf16", "amx_bf16"}, True, False)])
+def test_the_default_follows_whether_sdpa_has_amx(flags, tiles, kernel, monkeypatch):
+    """By default our kernel serves unless torch's flash kernel multiplies in AMX tiles: the CPU has
+    amx_bf16 and torch may use the tiles (the OS allows them)."""
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", None)
+    monkeypatch.setattr(attention.kv_dtype, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: tiles, raising=False)
+    attention._sdpa_has_amx.cache_clear()
+    try:
+        assert attention.prefill_kernel_serves() is kernel
+        monkeypatch.setattr(attention, "PREFILL_KERNEL", not kernel)  # a setting wins over the CPU
+        assert attention.prefill_kernel_serves() is (not kernel)
+    finally:
+        monkeypatch.undo()
+        attention._sdpa_has_amx.cache_clear()

@@ -3,22 +3,39 @@
 Decode and verification (a handful of queries) use grouped matmuls: the query heads that share a
 KV head and all new tokens form the rows of one matrix, so each cached key and value is read once
 per pass however many tokens are verified. Long prefill chunks use torch SDPA, which never
-materialises the (queries x keys) score matrix, or in bf16 on avx512_bf16 decode_attention.prefill. On CUDA with fp16/bf16, flash-attn's
+materialises the (queries x keys) score matrix, or in bf16 on avx512_bf16 without AMX decode_attention.prefill. On CUDA with fp16/bf16, flash-attn's
 `flash_attn_with_kvcache` serves every call when it imports; the backend is chosen once, at import.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, decode_attention_f32, key_tiles, layer_ops
+from . import decode_attention, decode_attention_f32, key_tiles, kv_dtype, layer_ops
 
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
-# off: bf16 prefill pieces on CPU take torch's SDPA instead of decode_attention.prefill (bench/prefill_rate.py
-# --sdpa-too compares the two in one process)
-PREFILL_KERNEL = True
+# Which attention a bf16 prefill piece on CPU takes: True, decode_attention.prefill; False, torch's SDPA;
+# None, the faster one for this CPU (prefill_kernel_serves). bench/prefill_rate.py --sdpa-too times both.
+PREFILL_KERNEL: bool | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_has_amx() -> bool:
+    """Whether torch's CPU flash kernel multiplies in AMX tiles here (its bf16 GEMMs go through
+    oneDNN's brgemm, which uses them where the CPU has amx_bf16 and the OS lets a process use them)."""
+    has = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return "amx_bf16" in kv_dtype.cpu_flags() and bool(has())
+
+
+def prefill_kernel_serves() -> bool:
+    """Whether bf16 prefill pieces take our kernel rather than SDPA. Without AMX our kernel computes in
+    bf16 pair dot products where torch's flash kernel widens to float32: 1.6-1.95x a layer (EPYC,
+    session 22). With AMX, torch's flash kernel runs its products in tiles and ours do not: SDPA took
+    0.18-0.28x our kernel's time a layer at 4K pieces (Xeon, session 31)."""
+    return PREFILL_KERNEL if PREFILL_KERNEL is not None else not _sdpa_has_amx()
 
 
 def _load_flash():
@@ -76,8 +93,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiled: boo
         return _attend_flash(q, keys, values)
     kernels_serve = decode_attention.serves(q, keys) and _tokens_contiguous(values) and (tiled or _tokens_contiguous(keys))
     if q.shape[0] >= SDPA_MIN_QUERIES:
-        if kernels_serve and PREFILL_KERNEL and not torch.compiler.is_compiling():
-            # a prefill piece in bf16 on avx512_bf16: 1.9x torch's CPU flash kernel (decode_attention.prefill)
+        if kernels_serve and prefill_kernel_serves() and not torch.compiler.is_compiling():
+            # a prefill piece in bf16 on avx512_bf16 without AMX: 1.9x torch's CPU flash kernel
             return decode_attention.prefill(q, keys, values, keys.shape[1] - q.shape[0], q.shape[-1] ** -0.5, tiled)
         kernels_serve = False  # SDPA's turn
     if tiled and not kernels_serve:
