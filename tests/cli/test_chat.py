@@ -445,3 +445,24 @@ def test_smollm2_chat_template_cache_and_lossless_turns(tmp_path, capsys):
     b = second.ask("Who is Mr. Bingley?")
     assert a.tokens == b.tokens
     check_lossless(second, second.ask("And his sister?"))
+
+
+def test_lookups_search_the_book_with_its_line_wraps_undone(tiny_folder, tmp_path, capsys):
+    """A hard-wrapped book: an adaptive chat's lookups search its text with the wraps undone beside
+    the conversation (the model still reads the book as it is), and its answers stay lossless."""
+    from triforce.runtime.text import unwrapped
+
+    rng = random.Random(5)
+    lines = [" ".join(f"t{rng.randrange(3, 64)}" for _ in range(8)) for _ in range(30)]
+    wrapped = tmp_path / "wrapped.txt"
+    wrapped.write_text("\n".join(lines[:15]) + "\n\n  " + "\n".join(lines[15:]) + "\n")
+    flat, joined = unwrapped(wrapped.read_text())
+    assert joined == 28 and "\n\n  " in flat  # a blank line and an indented line keep their breaks
+    c = chat.start(make_args(tiny_folder, wrapped, tmp_path / "cache", "--adaptive"), interactive=False)
+    said = " ".join(capsys.readouterr().err.split())  # the console may wrap a note
+    assert f"lookups also search the book with its {joined} line wraps undone" in said
+    tok = load_tokenizer(str(tiny_folder))
+    assert c.gen.lookup.reference.tolist() == tok.encode(flat, add_special_tokens=False, split_special_tokens=True)
+    assert c.gen.matches.reference.tolist() == c.gen.lookup.reference.tolist()
+    check_lossless(c, c.ask(" ".join(lines[3].split()[:4])))
+    c.close()

@@ -25,7 +25,7 @@ from .book import (Book, ChatOptions, Reporter, choose_chat_model, load_or_prefi
 from . import learned
 from .defaults import MODELS_DIR
 from .settings import generation_plan, with_sampling
-from .text import read_text
+from .text import read_text, unwrapped
 
 
 @dataclass
@@ -144,6 +144,17 @@ def held_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
+def refer_lookups(gen, tok, text: str, report: Reporter) -> None:
+    """Where the run looks drafts up, have it search the book with its line wraps undone too, beside
+    the conversation: a quotation then matches across the book's line breaks (a book of 100K tokens
+    tokenizes again in about a second)."""
+    if gen.lookup is None:
+        return
+    flat, joined = unwrapped(text)
+    if joined and gen.refer_lookups_to(tok.encode(flat, add_special_tokens=False, split_special_tokens=True)):
+        report.note(f"lookups also search the book with its {joined:,} line wraps undone")
+
+
 def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callable[[str], bool] | None = None,
               tokenizer=None, open_session=None) -> Chat:
     """Everything before the first question: the book (read and checked before any weights load),
@@ -181,6 +192,7 @@ def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callab
         session = open_session(sized, tok)
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(opts, session, gen, book, report)
+    refer_lookups(gen, tok, text, report)
     cache_file, _ = saved_cache(opts, session, book)
     chat = Chat(gen, tok, book, queries, stop_ids(tok, book.fmt, run.model), session,
                 learned.state_path(cache_file) if cache_file is not None else None)

@@ -2,6 +2,7 @@
 (generate's output, chat's answers, the API's on_text)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from triforce.model.errors import UserError
@@ -51,3 +52,16 @@ def read_text(path: str | Path, what: str = "prompt file") -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+
+
+# a line break between two characters that are not blank: inside a paragraph (a blank line ends one),
+# the next line not indented (verse and block quotes often are)
+WRAP = re.compile(r"(?<=\S)[ \t]*\r?\n(?=\S)")
+
+
+def unwrapped(text: str) -> tuple[str, int]:
+    """The text with its hard line wraps undone, and how many: a line break inside a paragraph becomes
+    a space. Project Gutenberg's books break every line near 72 characters, where a model quoting them
+    writes a space (runtime/chat.py searches this text for lookups; the model still reads the book
+    as it is). Verse whose lines are not indented is joined too: that costs a lookup, never a token."""
+    return WRAP.subn(" ", text)

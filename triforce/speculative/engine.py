@@ -21,10 +21,12 @@ the drafter is a model, those modes include the drafting ones with lookups in it
 """
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import nullcontext
 from typing import Callable
 
+import numpy as np
 import torch
 
 from triforce.model import cpu_pool
@@ -76,7 +78,8 @@ class Generator:
         self.sampling = Sampling(cfg, self.device)
         # lookups: the drafter itself (--draft lookup), or weighed beside a model drafter (adaptive)
         beside = cfg.adaptive and cfg.lookup and models.lookup is None and modes_draft(mode)
-        self.lookup = models.lookup or (LookupDrafter() if beside else None)
+        # (a copy of the models' own: a reference text, refer_lookups_to, belongs to this generator)
+        self.lookup = copy.copy(models.lookup) if models.lookup is not None else LookupDrafter() if beside else None
         self.modes = adaptive_modes(mode, beside) if cfg.adaptive else (mode,)
         self.sizes = sizes = CacheSizes.of(cfg, mode, max_len, model_drafter=models.lookup is None,
                                            lookups=len(self.modes) > 1 and self.lookup is not None and modes_draft(mode))
@@ -171,6 +174,17 @@ class Generator:
         prefill that follows (extend) starts after them."""
         self.seq.put(0, tokens)
         self.full.adopt(len(tokens))
+
+    def refer_lookups_to(self, tokens: list[int]) -> bool:
+        """Have lookups search `tokens` too, beside the sequence: a book chat's book with its line wraps
+        undone (lookup.py says why). Before the first round: a captured round holds what it reads.
+        Whether this run looks anything up (else there is nothing to refer)."""
+        if self.lookup is None or len(tokens) <= self.lookup.longest:
+            return False
+        self.lookup.reference = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        if self.matches is not None:
+            self.matches.reference = np.asarray(tokens, dtype=np.int64)
+        return True
 
     def _new_chooser(self) -> None:
         """An adaptive generator's chooser, knowing nothing yet, timing every level's passes."""
