@@ -39,3 +39,25 @@ def test_cpu_times_reads_this_machine():
     if times is not None:  # Linux
         total, idle = times
         assert total >= idle >= 0
+
+
+def test_a_launchers_thread_count_is_set_not_only_read_at_torchs_start(monkeypatch):
+    """OMP_NUM_THREADS sets torch's threads for every session of a process: torch reads it once, at
+    its start, and an earlier session's count (or a variable set later) would stand instead. A value
+    that is no count falls back to the cores free."""
+    import torch
+
+    from triforce.runtime import session
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert session._set_threads(None) == "OMP_NUM_THREADS" and torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2,1")  # nested levels: the first is ours
+        assert session._set_threads(None) == "OMP_NUM_THREADS" and torch.get_num_threads() == 2
+        monkeypatch.setattr(session, "auto_threads", lambda: (1, "auto"))
+        monkeypatch.setenv("OMP_NUM_THREADS", "many")
+        assert session._set_threads(None) == "auto" and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -295,7 +295,11 @@ def _set_threads(threads: int | None) -> str:
     if threads is not None:
         torch.set_num_threads(threads)
         return "--threads"
-    if os.environ.get("OMP_NUM_THREADS"):
+    launcher = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()  # "4,2": nested levels, the first ours
+    if launcher.isdigit() and int(launcher) >= 1:
+        # set, not only read at torch's start: in a long-lived process an earlier session's threads
+        # (or a variable set after torch loaded) would stand instead
+        torch.set_num_threads(int(launcher))
         return "OMP_NUM_THREADS"
     threads, why = auto_threads()
     torch.set_num_threads(threads)
