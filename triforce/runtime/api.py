@@ -14,7 +14,10 @@ runs the command line's embedded job. Notes (a setting adjusted, RoPE scaling ad
 
 For the OpenMP threads that torch starts to sleep rather than spin while they wait (which matters on
 a machine with other work), set OMP_WAIT_POLICY=PASSIVE before importing torch; the command-line
-entry points do (triforce.cli.prepare_process). Importing triforce changes no environment.
+entry points do (triforce.cli.prepare_process). Importing triforce changes no environment; a
+Session (and so `generate`) makes glibc's malloc keep freed memory for the next tensors
+(triforce/runtime/memory.py: a prefill faulted its pages in again every layer), unless
+TRIFORCE_REUSE_MEMORY=0.
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from triforce.speculative import Generator
 from triforce.speculative.modes import MODES, drafts
 
 from .defaults import auto_dtype, auto_threads
+from .memory import reuse_freed_memory
 from .loading import load, resolve_dtype
 from .report import versus_plain
 from .settings import (Settings, check_flags, context_positions, generation_plan, onchip_layers, resolve_draft,
@@ -77,6 +78,7 @@ class Session:
         self._loading = loading
         check_flags(run)
         self.threads_why = _set_threads(run.threads)
+        reuse_freed_memory()  # a prefill's large intermediates, reused instead of faulted in every layer
         self.dist = _setup_parallel(run)
         self.is_main = self.dist is None or self.dist.rank == 0
         self.stdout = sys.stdout if self.is_main else open(os.devnull, "w")
