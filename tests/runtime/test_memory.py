@@ -12,6 +12,8 @@ import resource
 import torch
 from triforce.runtime.memory import reuse_freed_memory
 
+torch.set_num_threads(1)  # one arena: worker threads' scratch would move the heap's settling
+
 print(reuse_freed_memory())
 x, up, down = torch.randn(2048, 576).bfloat16(), torch.randn(576, 6144).bfloat16(), torch.randn(3072, 576).bfloat16()
 
@@ -25,8 +27,8 @@ def faults(layers):  # a prefill piece's MLPs: a 25 MB product and its halves' i
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-faults(6)  # the heap settles on the first layers
-print(faults(6))
+faults(12)  # the heap settles on the first layers (after 6, a loaded CI machine still saw 6K faults)
+print(faults(12))
 """
 
 
@@ -40,12 +42,12 @@ def run(reuse: str) -> tuple[bool, int]:
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_a_freed_tensor_is_reused_without_faulting_its_pages_again():
-    """Six layers' MLPs over 2,048 tokens: ~34K page faults with malloc as it is (each large product
-    comes from a fresh mapping), none once freed blocks are kept and the heap has settled."""
+    """Twelve layers' MLPs over 2,048 tokens: 28-55K page faults with malloc as it is (each large
+    product comes from a fresh mapping), none once freed blocks are kept and the heap has settled."""
     on, faults = run("1")
     assert on and faults < 2000, faults
     off, faults = run("0")
-    assert not off and faults > 20000
+    assert not off and faults > 10000
 
 
 def test_the_setting_is_made_once_and_only_where_asked(monkeypatch):
