@@ -16,7 +16,8 @@ REV's `cache_attend` over the key layout `--key-layouts` names (the model's own 
 for a revision before key tiles), then this tree's over the model's own, so a change is timed
 without another process's noise. `--products amx,avx512` (a CPU with AMX) times the weight products
 over stored blocks through AMX tiles (model/stored_amx.py, the default there) against the avx512
-kernels, pass by pass over one cache.
+kernels, pass by pass over one cache; `--attention tiles,avx512` the same for attention's two products
+(model/decode_attention.py: AMX tiles, the default there, against the avx512 kernels).
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def parse_args(argv):
                    "beside this tree's (decode_attention.cache_attend), pass by pass")
     p.add_argument("--products", default="", help="'amx,avx512': the weight products over stored blocks "
                    "through AMX tiles and through the avx512 kernels, pass by pass (an AMX CPU)")
+    p.add_argument("--attention", default="", help="'tiles,avx512': attention's products through AMX "
+                   "tiles against the avx512 kernels, pass by pass over one cache (a CPU with AMX)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     args.key_layouts = [name for name in args.key_layouts.split(",") if name]
@@ -55,6 +58,11 @@ def parse_args(argv):
         p.error("--products takes amx and/or avx512")
     if args.products and (args.key_layouts or args.against):
         p.error("--products times one cache and this tree's attention: drop --key-layouts/--against")
+    args.attention = [name for name in args.attention.split(",") if name]
+    if not set(args.attention) <= {"tiles", "avx512"}:
+        p.error("--attention takes tiles and/or avx512")
+    if args.attention and (args.key_layouts or args.against or args.products):
+        p.error("--attention times one cache and one set of products: drop --key-layouts/--against/--products")
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.tokens = [int(t) for t in args.tokens.split(",")]
     return args
@@ -62,26 +70,29 @@ def parse_args(argv):
 
 def pass_ms(model, setups: dict, length: int, T: int, repeats: int) -> dict[str, float]:
     """Median ms of a pass of T tokens for each setup (name -> (cache filled to `length`, the
-    cache_attend its layers call[, whether the stored products take AMX tiles])), the setups in turn."""
+    cache_attend its layers call[, whether the stored products take AMX tiles[, whether attention's
+    products do]])), the setups in turn."""
     import torch
 
     from triforce.model import decode_attention, stored_amx
 
     tokens = torch.randint(0, model.cfg.vocab_size, (T,))
     times = {name: [] for name in setups}
-    ours, amx = decode_attention.cache_attend, stored_amx.available
+    ours, amx, tiles = decode_attention.cache_attend, stored_amx.available, decode_attention.tiles()
     try:
         with torch.no_grad():
             for i in range(repeats + 1):  # the first is a warm-up
-                for name, (cache, kernel, *products) in setups.items():
+                for name, (cache, kernel, *paths) in setups.items():
                     decode_attention.cache_attend = kernel
-                    stored_amx.available = amx if not products or products[0] else (lambda: False)
+                    stored_amx.available = amx if not paths or paths[0] else (lambda: False)
+                    decode_attention.switch_tiles(paths[1] if len(paths) > 1 else tiles)
                     start = time.perf_counter()
                     model(tokens, cache)
                     times[name].append(time.perf_counter() - start)
                     cache.rollback(length)
     finally:
         decode_attention.cache_attend, stored_amx.available = ours, amx
+        decode_attention.switch_tiles(tiles)
     return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
 
 
@@ -113,15 +124,23 @@ def setups_for(model, args, slots: int) -> dict:
     from triforce.model.errors import UserError
     from triforce.speculative.caches import FullCache
 
+    from triforce.model import stored_amx
+
     caches = build_caches(model, args.key_layouts, slots)
     if args.products:
-        from triforce.model import stored_amx
 
         if "amx" in args.products and not stored_amx.available():
             raise UserError("no AMX products here (the CPU lacks AMX, no C++ compiler, or TRIFORCE_AMX=0); "
                             "drop --products")
         (cache,) = caches.values()
         return {name: (cache, decode_attention.cache_attend, name == "amx") for name in args.products}
+    if args.attention:
+        if "tiles" in args.attention and not decode_attention.tiles():
+            raise UserError("attention's products take no AMX tiles here (the CPU lacks AMX, no C++ compiler, "
+                            "or TRIFORCE_AMX=0); drop --attention")
+        (cache,) = caches.values()
+        products = stored_amx.available()
+        return {name: (cache, decode_attention.cache_attend, products, name == "tiles") for name in args.attention}
     if not args.against:
         return {name: (cache, decode_attention.cache_attend) for name, cache in caches.items()}
     if len(caches) > 1:
@@ -162,7 +181,8 @@ def main(argv=None) -> int:
     setups = setups_for(model, args, longest)
     table = Table(title=f"{Path(args.model).name} ({args.dtype}), {torch.get_num_threads()} threads: ms per pass")
     names = list(setups)
-    label = "attention" if args.against else "keys" if args.key_layouts else "products" if args.products else ""
+    label = ("attention" if args.against or args.attention else "keys" if args.key_layouts
+             else "products" if args.products else "")
     for col in ("cached S", *([label] if label else []), *(f"T={t}" for t in args.tokens)):
         table.add_column(col, justify="right")
     points, start = len(args.contexts) * len(args.tokens), time.perf_counter()

@@ -89,3 +89,26 @@ def test_pass_cost_times_tiled_and_plain_keys_side_by_side(tmp_path, capsys):
         pass_cost.main([*args, "--dtype", "float32"])
     with pytest.raises(UserError, match="one key layout"):
         pass_cost.main([*args, "--dtype", "bfloat16", "--against", "HEAD"])
+
+
+def test_pass_cost_times_attention_on_tiles_and_avx512_side_by_side(tmp_path, capsys):
+    """--attention tiles,avx512: a row per path of attention's products on a CPU with AMX (and this
+    process's own path back after); elsewhere, one line saying why not."""
+    from bench import pass_cost
+    from tests.conftest import save_tiny
+    from triforce.model import decode_attention
+    from triforce.model.errors import UserError
+
+    save_tiny(tmp_path, seed=3, vocab=64, layers=2, hidden=192, heads=3, kv_heads=1, inter=96)
+    args = ["--model", str(tmp_path), "--contexts", "40", "--tokens", "1,2", "--repeats", "1", "--dtype", "bfloat16"]
+    before = decode_attention.tiles()
+    if not before:
+        with pytest.raises(UserError, match="no AMX tiles"):
+            pass_cost.main([*args, "--attention", "tiles,avx512"])
+        return
+    assert pass_cost.main([*args, "--attention", "tiles,avx512"]) == 0
+    table = capsys.readouterr().out
+    assert "tiles" in table and "avx512" in table and "attention" in table
+    assert decode_attention.tiles() == before
+    with pytest.raises(SystemExit):
+        pass_cost.main([*args, "--attention", "tiles", "--key-layouts", "tiled"])

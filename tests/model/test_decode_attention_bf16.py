@@ -18,6 +18,18 @@ needs_kernels = pytest.mark.skipif(not bf16.available(), reason="no avx512_bf16 
 BOUND = 2 ** -7
 
 
+@pytest.fixture(params=["tiles", "avx512"])
+def products(request):
+    """Each path the products can take in a process: AMX tiles (where the CPU has them) and the avx512
+    kernels; the process's own choice comes back after the test."""
+    before = bf16.tiles()
+    if not bf16.switch_tiles(request.param == "tiles") and request.param == "tiles":
+        bf16.switch_tiles(before)
+        pytest.skip("no AMX tiles here: the avx512 kernels serve every row count")
+    yield request.param
+    bf16.switch_tiles(before)
+
+
 def inputs(H, R, S, D, seed):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(H, n, D, generator=g).bfloat16() for n in (R, S, S))
@@ -27,7 +39,7 @@ def inputs(H, R, S, D, seed):
 @pytest.mark.parametrize("D", bf16.HEAD_DIMS)
 @pytest.mark.parametrize("S", [1, 9, 77, 1000, 2051, 5000])
 @pytest.mark.parametrize("rep,T", [(1, 1), (3, 1), (3, 4), (3, 7), (6, 7)])
-def test_attend_equals_float64(rep, T, S, D):
+def test_attend_equals_float64(rep, T, S, D, products):
     """Every token sees the keys up to its own (the last T are the new tokens); at 2,051 keys and 7
     tokens the earliest of them see nothing of the second span."""
     if T > S:
@@ -42,7 +54,7 @@ def test_attend_equals_float64(rep, T, S, D):
 
 @needs_kernels
 @pytest.mark.parametrize("rep,T,D", [(1, 3, 64), (3, 4, 64), (3, 7, 64), (6, 7, 64), (2, 5, 128)])
-def test_attend_gives_each_row_its_one_token_bits(rep, T, D):
+def test_attend_gives_each_row_its_one_token_bits(rep, T, D, products):
     """A verification pass of T tokens gives each token exactly what a pass of that token alone gives
     (the scores of 1-3 rows once summed in another order than more rows' did), and 1 and 2 threads
     agree (the spans follow the keys alone)."""
@@ -62,6 +74,31 @@ def test_attend_gives_each_row_its_one_token_bits(rep, T, D):
     for t in range(T):
         alone = bf16.attend(grouped[:, :, t].contiguous(), keys, values, limits[t:t + 1], D ** -0.5)
         assert torch.equal(alone, two.view(3, rep, T, D)[:, :, t])
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", bf16.HEAD_DIMS)
+def test_prefill_gives_each_row_the_bits_of_attend(D, products):
+    """A prefill piece's rows (many row tiles, steps of 256 keys) against `attend` of each token alone:
+    within the float64 bound both, and the tiles' part-tile and odd-key edges (301 keys before 13
+    tokens) are read as zeros, not as the next row's weights."""
+    start, T, rep = 301, 13, 3
+    g = torch.Generator().manual_seed(D)
+    q = torch.randn(T, 2 * rep, D, generator=g).bfloat16()
+    keys, values = (torch.randn(2, start + T, D, generator=g).bfloat16() for _ in range(2))
+    got = bf16.prefill(q, keys, values, start, D ** -0.5).view(T, 2, rep, D)
+    for t in (0, 6, T - 1):
+        rows = q[t].view(2, rep, D)
+        want, scale = attend_reference(rows, keys, values, torch.tensor([start + t + 1]), D ** -0.5)
+        assert ((got[t].double() - want).abs() / scale).max().item() <= BOUND
+
+
+@needs_kernels
+def test_the_process_takes_the_tiles_where_the_cpu_has_them():
+    """AMX CPUs run both products on tiles unless TRIFORCE_AMX=0; others never do."""
+    from triforce.model import cpu_kernels, stored_amx
+
+    assert bf16.tiles() == (cpu_kernels.cpu_has(stored_amx.AMX) and not stored_amx.OFF)
 
 
 @needs_kernels

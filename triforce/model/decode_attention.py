@@ -26,6 +26,14 @@ avx512_bf16's pair dot products (32 multiply-adds per instruction):
   torch's softmax and mix as three calls (SmolLM2 at 16K keys, 30 layers, two threads): 3 rows 8.7 ->
   6.6 ms, 21 rows 26.1 -> 17.4.
 
+- AMX (Intel Sapphire Rapids and later, unless TRIFORCE_AMX=0): both products through tiles, every row
+  count alike (`use_tiles`, decided once per process by `available()`): a tile of up to 16 rows sums
+  against 16 keys (or 16 dims) over 32 more in one instruction, so more rows cost little more than one.
+  SmolLM2's cache_attend over 30 layers at 4K keys, one thread: 21 rows 26.1 -> 15.1 ms, 3 rows
+  9.1 -> 8.7; Qwen2.5-1.5B's heads (128 wide, 6 a KV head) 42 rows 87.8 -> 34.2. The sums take the
+  tiles' order, so the bits differ from the avx512 kernels' (not their bounds): a near-tie may resolve
+  otherwise on an AMX CPU, as with the weights' products (stored_amx.py).
+
 SmolLM2 (30 layers x 3 KV heads, head_dim 64) at 16K keys, both products, one thread, medians
 (bench/attention_rows.py): 1 row 9.0-9.5 ms as before (about the memory floor), 6 rows 8.5 (the
 earlier kernels 13.8), 21 rows 20.3 (the multiply-add floor 15.1; bmm 42.0, the earlier 16-row
@@ -41,17 +49,18 @@ below it.
 
 The C++ is built at first use with torch's extension builder (a C++ compiler, as --compile needs
 anyway; cached on disk) and registered as torch ops, which torch.compile calls as opaque kernels.
-Where it cannot build, or the CPU lacks avx512_bf16, attention keeps torch's bmm.
+Where it cannot build, or the CPU lacks avx512_bf16, attention keeps torch's bmm. The tiles' code
+builds where the compiler knows AMX (GCC 11, clang 12 on); a CPU without AMX never runs it.
 """
 from __future__ import annotations
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, stored_amx
 
 HEAD_DIMS = (64, 128)  # the kernels are unrolled for these
 
-SOURCE = r"""
+SOURCE = cpu_kernels.AMX_FRAME + r"""
 #include <ATen/ScalarOps.h>
 #include <algorithm>
 #include <vector>
@@ -355,6 +364,192 @@ AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values
                   _mm512_loadu_ps(acc + r * D + 32 * c + 16));
 }
 
+// ======== both products through AMX tiles (CPUs with amx_bf16: Intel Sapphire Rapids and later) ========
+// The avx512 kernels above run each row's pair dot products on their own, so past a few rows the
+// products are bound by multiply-adds, not memory: a 7-token verification pass of SmolLM2 (21 rows a
+// KV head) spent 0.41 ms a layer in attention at 4K keys, a decode step (3 rows) 0.074. TDPBF16PS sums
+// a tile of up to 16 rows against 16 keys (or 16 dims) over 32 more in one instruction. Each sum of a
+// tile is its own, in the order of the instruction and of the loops below, whatever rows share the
+// tile; so that a verification pass gives each token the bits of its decode step, every row count
+// takes the tiles where they serve (`use_tiles`, decided once per process), one row as well.
+//
+// Tiles: 0-3 and 6-7 hold a row tile's rows (rt <= 16), 4-5 sixteen (a key tile's words, 16 pairs
+// of keys). scores: the rows' 32-dim chunks in 0 to D / 32 - 1, key tiles' chunks in 4 and 5, two
+// key tiles' sums in 6 and 7. mix: 32 keys' weights in 0, 16 pairs of keys' values of 16 dims in 4
+// and 5, the sums of 64 dims in 1, 2, 3 and 6.
+#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11  // the compilers that know AMX
+#define TILES_BUILD 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
+
+// every tile 64 bytes wide; 4 and 5 sixteen rows, the others rt. The scores give a part row tile
+// zero rows to fill 16 (copied: a few rows of D) and drop their sums; the values' product reads its
+// weights in place, rt rows of them
+void configure_tiles(int rt) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = uint8_t(t == 4 || t == 5 ? 16 : rt);
+  _tile_loadconfig(&c);
+}
+
+inline __mmask16 lanes16(int64_t k) { return k >= 16 ? __mmask16(0xffff) : k <= 0 ? 0 : __mmask16((1u << k) - 1); }
+
+// the first k of 16 float32 sums, as float32 or rounded to bf16
+inline void store_lanes(float* out, __m512 x, int64_t k) { _mm512_mask_storeu_ps(out, lanes16(k), x); }
+inline void store_lanes(bf16* out, __m512 x, int64_t k) {
+  _mm512_mask_storeu_epi16(out, __mmask32(lanes16(k)), _mm512_castsi256_si512(to_bf16(x)));
+}
+
+// a key tile's scores (16 keys in tiles at kt) for the rows in tiles 0.. into tile C, from zero
+#define KEY_TILE_SUMS(C, B, kt)                     \
+  _tile_zero(C);                                    \
+  _tile_loadd(B, kt, 64);                           \
+  _tile_dpbf16ps(C, 0, B);                          \
+  _tile_loadd(B, kt + 512, 64);                     \
+  _tile_dpbf16ps(C, 1, B);                          \
+  if (D == 128) {                                   \
+    _tile_loadd(B, kt + 1024, 64);                  \
+    _tile_dpbf16ps(C, 2, B);                        \
+    _tile_loadd(B, kt + 1536, 64);                  \
+    _tile_dpbf16ps(C, 3, B);                        \
+  }
+
+// out[r, 0:n] = rows[r] . keys[0:n] for R rows. Keys in tiles (TILED: the buffer holds whole blocks,
+// read whole, the sums past n dropped) or plain, put in tiles a block at a time in L1.
+template <int D, bool TILED, typename O>
+void tile_scores(const bf16* rows_in, int64_t R, const bf16* keys, int64_t n, O* out, int64_t ld) {
+  thread_local std::vector<bf16> rows;  // whole row tiles, the extra rows zero
+  const int64_t R16 = (R + 15) / 16 * 16;
+  rows.assign(R16 * D, bf16(0));
+  std::memcpy(rows.data(), rows_in, R * D * 2);
+  alignas(64) bf16 buffer[TILED ? 32 : SBLOCK * D];
+  alignas(64) float sums[2][16 * 16];
+  constexpr int64_t bytes = SBLOCK * D * 2;
+  Ahead ahead(keys, keys + n * D, bytes, (TILED ? 0 : SBLOCK / 16 * D / 32) + R16 / 16 * SBLOCK / 32);
+  configure_tiles(16);
+  for (int64_t s0 = 0; s0 < n; s0 += SBLOCK) {
+    const int64_t m = std::min<int64_t>(SBLOCK, n - s0);
+    ahead.aim(keys + s0 * D, bytes);
+    const bf16* kt = buffer;
+    if constexpr (TILED) kt = keys + s0 * D;
+    else if (m == SBLOCK) transpose_block<D, true>(keys + s0 * D, m, buffer, ahead);
+    else transpose_block<D, false>(keys + s0 * D, m, buffer, ahead);
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      const bf16* q = rows.data() + r0 * D;
+      _tile_loadd(0, q, 2 * D);
+      _tile_loadd(1, q + 32, 2 * D);
+      if (D == 128) {
+        _tile_loadd(2, q + 64, 2 * D);
+        _tile_loadd(3, q + 96, 2 * D);
+      }
+      for (int64_t s = 0; s < m; s += 32) {  // two key tiles (a block is 4)
+        ahead.step();
+        KEY_TILE_SUMS(6, 4, kt + s * D);
+        KEY_TILE_SUMS(7, 5, kt + (s + 16) * D);
+        _tile_stored(6, sums[0], 64);
+        _tile_stored(7, sums[1], 64);
+        for (int64_t r = 0; r < std::min<int64_t>(16, R - r0); ++r) {
+          O* o = out + (r0 + r) * ld + s0 + s;
+          store_lanes(o, _mm512_load_ps(sums[0] + 16 * r), m - s);
+          store_lanes(o + 16, _mm512_load_ps(sums[1] + 16 * r), m - s - 16);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#undef KEY_TILE_SUMS
+
+// pairs of keys' values for 64 dims (dims 64 dc on) of n <= TKEYS keys, in pairs rounded up to whole
+// tiles (zeros past n): pair t's 64 dims as 4 vectors of 16 lanes (unpacklo/hi's order, as
+// interleave_block's), the pairs 256 bytes apart, a tile's B rows
+constexpr int TKEYS = 128;  // keys a step of the values' product: 16 KB of pairs in L1
+template <int D>
+void pair_dims(const bf16* values, int64_t n, int dc, bf16* pk, Ahead& ahead) {
+  for (int64_t t = 0; t < (n + 31) / 32 * 16; ++t) {
+    const bf16* a = values + 2 * t * D + 64 * dc;
+    ahead.step();
+    for (int c = 0; c < 2; ++c) {
+      __m512i x = 2 * t < n ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+      __m512i y = 2 * t + 1 < n ? _mm512_loadu_si512(a + D + 32 * c) : _mm512_setzero_si512();
+      _mm512_store_si512(pk + (4 * t + 2 * c) * 32, _mm512_unpacklo_epi16(x, y));
+      _mm512_store_si512(pk + (4 * t + 2 * c + 1) * 32, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// out[r] = probs[r, 0:n] . values[0:n] for R rows, probs' rows n apart. A step's values are paired
+// in L1 (pair_dims), then each tile of 32 weights (a last part tile copied beside zeros) sums against
+// them, 64 dims at a time.
+template <int D, typename O>
+void tile_mix(const bf16* probs, int64_t R, int64_t n, const bf16* values, O* out) {
+  alignas(64) bf16 pk[TKEYS * 64];
+  alignas(64) bf16 last[16 * 32];
+  alignas(64) float sums[4][16 * 16];
+  const int64_t whole = n / 32;  // tiles of 32 weights read in place
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const int64_t rt = std::min<int64_t>(16, R - r0);
+    configure_tiles(int(rt));
+    if (whole * 32 < n) {
+      std::fill(last, last + 16 * 32, bf16(0));
+      for (int64_t r = 0; r < rt; ++r) std::memcpy(last + 32 * r, probs + (r0 + r) * n + 32 * whole, (n - 32 * whole) * 2);
+    }
+    for (int dc = 0; dc < D / 64; ++dc) {
+      Ahead ahead(values, values + n * D, TKEYS * D * 2, TKEYS / 2);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_zero(6);
+      for (int64_t s0 = 0; s0 < n; s0 += TKEYS) {
+        const int64_t m = std::min<int64_t>(TKEYS, n - s0);
+        ahead.aim(values + s0 * D, TKEYS * D * 2);
+        pair_dims<D>(values + s0 * D, m, dc, pk, ahead);
+        for (int64_t s = 0; s < m; s += 32) {
+          const int64_t t = (s0 + s) / 32;
+          if (t < whole) _tile_loadd(0, probs + r0 * n + 32 * t, 2 * n);
+          else _tile_loadd(0, last, 64);
+          const bf16* v = pk + s / 2 * 4 * 32;  // pair s / 2's first vector; the next pair 256 bytes on
+          _tile_loadd(4, v, 256);
+          _tile_dpbf16ps(1, 0, 4);
+          _tile_loadd(5, v + 32, 256);
+          _tile_dpbf16ps(2, 0, 5);
+          _tile_loadd(4, v + 64, 256);
+          _tile_dpbf16ps(3, 0, 4);
+          _tile_loadd(5, v + 96, 256);
+          _tile_dpbf16ps(6, 0, 5);
+        }
+      }
+      _tile_stored(1, sums[0], 64);
+      _tile_stored(2, sums[1], 64);
+      _tile_stored(3, sums[2], 64);
+      _tile_stored(6, sums[3], 64);
+      for (int64_t r = 0; r < rt; ++r) {
+        O* o = out + (r0 + r) * D + 64 * dc;
+        store_pairs(o, _mm512_load_ps(sums[0] + 16 * r), _mm512_load_ps(sums[1] + 16 * r));
+        store_pairs(o + 32, _mm512_load_ps(sums[2] + 16 * r), _mm512_load_ps(sums[3] + 16 * r));
+      }
+    }
+  }
+  _tile_release();
+}
+
+#pragma GCC pop_options
+#else
+#define TILES_BUILD 0
+#endif
+
+bool tiles_on = false;  // the products through AMX tiles: use_tiles, once per process
+
+// The products through AMX tiles from here on (or, with on false, the avx512 kernels): whether they
+// now are (this build knows AMX and Linux lends the tiles). Asked before any attention runs, once.
+bool use_tiles(bool on) {
+#if TILES_BUILD
+  tiles_on = on && enable_amx();
+#else
+  tiles_on = false;
+#endif
+  return tiles_on;
+}
+
 // Every row count takes the transposed blocks, 1-3 rows as well: each score is then one chain of
 // pair dot products in dim order, whatever the rows, so a verification pass of T tokens gives each
 // token the bits of its own decode step (a SmolLM2 pass of 7 tokens on its stored weights: every
@@ -363,12 +558,18 @@ AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values
 // (SmolLM2, 4K and 16K keys, one and two threads).
 template <int D, typename O>
 void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, O* out, int64_t ld, bool tiled) {
+#if TILES_BUILD
+  if (tiles_on) return tiled ? tile_scores<D, true>(rows, R, keys, S, out, ld) : tile_scores<D, false>(rows, R, keys, S, out, ld);
+#endif
   if (tiled) scores_many<D, true>(rows, R, keys, S, out, ld);
   else scores_many<D, false>(rows, R, keys, S, out, ld);
 }
 
 template <int D, typename O>
 void mix_head(const bf16* probs, int64_t R, int64_t S, const bf16* values, O* out) {
+#if TILES_BUILD
+  if (tiles_on) return tile_mix<D>(probs, R, S, values, out);
+#endif
   // up to one tile, the sums stay in registers: 6 rows x 4 vectors at 64 dims, 3 x 8 at 128
   switch (R) {
     case 1: return mix_few<D, 1, O>(probs, S, values, out);
@@ -692,6 +893,7 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& keys, const at::Tensor
 
 TORCH_LIBRARY(triforce_decode, m) {
   m.def("use_pool(int address) -> ()", &use_pool);
+  m.def("use_tiles(bool on) -> bool", &use_tiles);
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
   m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale, bool tiled=False) -> Tensor");
@@ -720,6 +922,36 @@ def available() -> bool:
 
 
 def _self_check() -> bool:
+    """The products through AMX tiles where this CPU has them (and TRIFORCE_AMX is not 0), checked;
+    else, or if their check fails, the avx512 kernels, checked."""
+    if cpu_kernels.cpu_has(stored_amx.AMX) and not stored_amx.OFF and _use_tiles(True) and _products_check():
+        return True
+    _use_tiles(False)
+    return _products_check()
+
+
+_TILES = {"on": False}
+
+
+def _use_tiles(on: bool) -> bool:
+    _TILES["on"] = bool(torch.ops.triforce_decode.use_tiles(on))
+    return _TILES["on"]
+
+
+def tiles() -> bool:
+    """Whether both products run through AMX tiles in this process (decided once, by `available()`)."""
+    return available() and _TILES["on"]
+
+
+def switch_tiles(on: bool) -> bool:
+    """The products through AMX tiles (on) or the avx512 kernels from here on; whether tiles now serve.
+    For timing one path against the other in one process, and for testing both: the bits of a row
+    change with the path, so no decoding may run across a switch (a verification pass would not give
+    a token its decode step's bits)."""
+    return available() and _use_tiles(on and cpu_kernels.cpu_has(stored_amx.AMX))
+
+
+def _products_check() -> bool:
     """3 rows (one tile of the values) and 9 (the tiled loops), 77 keys ending in a part block and an
     odd key: the products against bmm, and the attention whole against float32's softmax."""
     g = torch.Generator().manual_seed(0)

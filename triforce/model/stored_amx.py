@@ -30,26 +30,11 @@ AMX = cpu_kernels.AVX512_BF16 | frozenset({"amx_tile", "amx_bf16"})
 # TRIFORCE_AMX=0: the avx512 kernels on an AMX CPU too (to time one against the other)
 OFF = os.environ.get("TRIFORCE_AMX", "1") == "0"
 
-SOURCE = RECORDS_CPP + r"""
-#include <sys/syscall.h>
-#include <unistd.h>
-
+SOURCE = RECORDS_CPP + cpu_kernels.AMX_FRAME + r"""
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
 
 namespace {
-
-// Linux lends the AMX tile registers only to processes that ask (arch_prctl, XFEATURE_XTILEDATA)
-bool enable_amx() {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // tile 0: R rows of x, one block's 32 columns (16 pairs); then each group's tiles (chain below): its
 // decoded codes, 16 pairs of columns x 16 output rows, and its R x 16 float32 sums
