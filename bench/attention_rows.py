@@ -62,11 +62,24 @@ AVX512 int64_t read_all(torch::Tensor t) {
 
 def old_source(rev: str) -> str:
     """The kernels' C++ at `rev`, its ops renamed into namespace triforce_decode_old."""
-    text = subprocess.run(["git", "show", f"{rev}:triforce/model/decode_attention.py"], check=True,
-                          capture_output=True, text=True).stdout
-    source = next(ast.literal_eval(node.value) for node in ast.parse(text).body
-                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "SOURCE")
-    return source.replace("triforce_decode", "triforce_decode_old")
+    return module_string(rev, "triforce/model/decode_attention.py", "SOURCE").replace("triforce_decode",
+                                                                                       "triforce_decode_old")
+
+
+def module_string(rev: str, path: str, name: str) -> str:
+    """The string a module at `rev` assigns to `name`: literals joined by +, and cpu_kernels' strings
+    (AMX_FRAME, since session 32) read from cpu_kernels.py at the same revision."""
+    text = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
+
+    def value(node):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return value(node.left) + value(node.right)
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "cpu_kernels":
+            return module_string(rev, "triforce/model/cpu_kernels.py", node.attr)
+        return ast.literal_eval(node)
+
+    return next(value(node.value) for node in ast.parse(text).body
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name)
 
 
 def load_old(rev: str) -> bool:

@@ -29,8 +29,8 @@ avx512_bf16's pair dot products (32 multiply-adds per instruction):
 - AMX (Intel Sapphire Rapids and later, unless TRIFORCE_AMX=0): both products through tiles, every row
   count alike (`use_tiles`, decided once per process by `available()`): a tile of up to 16 rows sums
   against 16 keys (or 16 dims) over 32 more in one instruction, so more rows cost little more than one.
-  SmolLM2's cache_attend over 30 layers at 4K keys, one thread: 21 rows 26.1 -> 15.1 ms, 3 rows
-  9.1 -> 8.7; Qwen2.5-1.5B's heads (128 wide, 6 a KV head) 42 rows 87.8 -> 34.2. The sums take the
+  SmolLM2's cache_attend over 30 layers at 4K keys, one thread: 21 rows 24.6 -> 15.2 ms, 3 rows
+  9.2 -> 9.3; Qwen2.5-1.5B's heads (128 wide, 6 a KV head) 42 rows 91.9 -> 34.6. The sums take the
   tiles' order, so the bits differ from the avx512 kernels' (not their bounds): a near-tie may resolve
   otherwise on an AMX CPU, as with the weights' products (stored_amx.py).
 
@@ -391,6 +391,13 @@ void configure_tiles(int rt) {
   _tile_loadconfig(&c);
 }
 
+// a thread's buffer of at least n bf16, kept between calls, aligned for interleave_block's 64-byte stores
+struct alignas(64) Line { bf16 x[32]; };
+inline bf16* line_buffer(std::vector<Line>& lines, int64_t n) {
+  if (lines.size() < size_t((n + 31) / 32)) lines.resize((n + 31) / 32);
+  return lines.data()->x;
+}
+
 inline __mmask16 lanes16(int64_t k) { return k >= 16 ? __mmask16(0xffff) : k <= 0 ? 0 : __mmask16((1u << k) - 1); }
 
 // the first k of 16 float32 sums, as float32 or rounded to bf16
@@ -459,73 +466,100 @@ void tile_scores(const bf16* rows_in, int64_t R, const bf16* keys, int64_t n, O*
 }
 #undef KEY_TILE_SUMS
 
-// pairs of keys' values for 64 dims (dims 64 dc on) of n <= TKEYS keys, in pairs rounded up to whole
-// tiles (zeros past n): pair t's 64 dims as 4 vectors of 16 lanes (unpacklo/hi's order, as
-// interleave_block's), the pairs 256 bytes apart, a tile's B rows
-constexpr int TKEYS = 128;  // keys a step of the values' product: 16 KB of pairs in L1
+// The values' product of one row tile (rows r0 on, rt of them: tile 0) for 64 dims (dc), over the
+// tiles of 32 weights [t0, t1), into tiles 1, 2, 3 and 6 (their sums so far). pk holds the values from
+// tile t0 on, paired (interleave_block's layout: pair p's dims in D / 16 vectors of 16 lanes, 2 D
+// apart), zero pairs up to a whole tile; `last` the part tile of weights beside zeros.
 template <int D>
-void pair_dims(const bf16* values, int64_t n, int dc, bf16* pk, Ahead& ahead) {
-  for (int64_t t = 0; t < (n + 31) / 32 * 16; ++t) {
-    const bf16* a = values + 2 * t * D + 64 * dc;
-    ahead.step();
-    for (int c = 0; c < 2; ++c) {
-      __m512i x = 2 * t < n ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
-      __m512i y = 2 * t + 1 < n ? _mm512_loadu_si512(a + D + 32 * c) : _mm512_setzero_si512();
-      _mm512_store_si512(pk + (4 * t + 2 * c) * 32, _mm512_unpacklo_epi16(x, y));
-      _mm512_store_si512(pk + (4 * t + 2 * c + 1) * 32, _mm512_unpackhi_epi16(x, y));
-    }
+void mix_tiles(const bf16* probs, int64_t n, int64_t r0, int64_t t0, int64_t t1, const bf16* last,
+               const bf16* pk, int dc) {
+  for (int64_t t = t0; t < t1; ++t) {
+    if (32 * (t + 1) <= n) _tile_loadd(0, probs + r0 * n + 32 * t, 2 * n);
+    else _tile_loadd(0, last, 64);
+    const bf16* v = pk + ((t - t0) * D + 4 * dc) * 32;  // the tile's first pair, vector 4 dc
+    _tile_loadd(4, v, 4 * D);
+    _tile_dpbf16ps(1, 0, 4);
+    _tile_loadd(5, v + 32, 4 * D);
+    _tile_dpbf16ps(2, 0, 5);
+    _tile_loadd(4, v + 64, 4 * D);
+    _tile_dpbf16ps(3, 0, 4);
+    _tile_loadd(5, v + 96, 4 * D);
+    _tile_dpbf16ps(6, 0, 5);
   }
 }
 
-// out[r] = probs[r, 0:n] . values[0:n] for R rows, probs' rows n apart. A step's values are paired
-// in L1 (pair_dims), then each tile of 32 weights (a last part tile copied beside zeros) sums against
-// them, 64 dims at a time.
+// values [0, n) paired into pk (blocks of `block` keys, read ahead), zero pairs up to a whole tile
+template <int D>
+void pair_values(const bf16* values, int64_t n, int64_t block, bf16* pk, Ahead& ahead) {
+  for (int64_t s0 = 0; s0 < n; s0 += block) {
+    ahead.aim(values + s0 * D, block * D * 2);
+    interleave_block<D>(values + s0 * D, std::min(block, n - s0), pk + s0 * D, ahead);
+  }
+  std::fill(pk + (n + 1) / 2 * 2 * D, pk + (n + 31) / 32 * 32 * D, bf16(0));
+}
+
+// out[r] = probs[r, 0:n] . values[0:n] for R rows, probs' rows n apart. Each tile of 32 weights sums
+// against 16 pairs of keys' values, 64 dims at a time, the sums kept in tiles through all the keys;
+// every sum runs in key order whatever the rows, so both ways below give the same bits.
+constexpr int64_t TKEYS = 128;  // keys a step when the values stream through L1: 16 KB of pairs at 64 dims
+
 template <int D, typename O>
 void tile_mix(const bf16* probs, int64_t R, int64_t n, const bf16* values, O* out) {
-  alignas(64) bf16 pk[TKEYS * 64];
   alignas(64) bf16 last[16 * 32];
   alignas(64) float sums[4][16 * 16];
-  const int64_t whole = n / 32;  // tiles of 32 weights read in place
-  for (int64_t r0 = 0; r0 < R; r0 += 16) {
-    const int64_t rt = std::min<int64_t>(16, R - r0);
-    configure_tiles(int(rt));
-    if (whole * 32 < n) {
+  const int64_t tiles = (n + 31) / 32;
+  auto start = [&](int64_t r0, int rt) {  // a row tile: its part tile of weights, its sums from zero
+    configure_tiles(rt);
+    if (n % 32) {
       std::fill(last, last + 16 * 32, bf16(0));
-      for (int64_t r = 0; r < rt; ++r) std::memcpy(last + 32 * r, probs + (r0 + r) * n + 32 * whole, (n - 32 * whole) * 2);
+      for (int r = 0; r < rt; ++r) std::memcpy(last + 32 * r, probs + (r0 + r) * n + n / 32 * 32, n % 32 * 2);
     }
-    for (int dc = 0; dc < D / 64; ++dc) {
-      Ahead ahead(values, values + n * D, TKEYS * D * 2, TKEYS / 2);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_zero(6);
-      for (int64_t s0 = 0; s0 < n; s0 += TKEYS) {
-        const int64_t m = std::min<int64_t>(TKEYS, n - s0);
-        ahead.aim(values + s0 * D, TKEYS * D * 2);
-        pair_dims<D>(values + s0 * D, m, dc, pk, ahead);
-        for (int64_t s = 0; s < m; s += 32) {
-          const int64_t t = (s0 + s) / 32;
-          if (t < whole) _tile_loadd(0, probs + r0 * n + 32 * t, 2 * n);
-          else _tile_loadd(0, last, 64);
-          const bf16* v = pk + s / 2 * 4 * 32;  // pair s / 2's first vector; the next pair 256 bytes on
-          _tile_loadd(4, v, 256);
-          _tile_dpbf16ps(1, 0, 4);
-          _tile_loadd(5, v + 32, 256);
-          _tile_dpbf16ps(2, 0, 5);
-          _tile_loadd(4, v + 64, 256);
-          _tile_dpbf16ps(3, 0, 4);
-          _tile_loadd(5, v + 96, 256);
-          _tile_dpbf16ps(6, 0, 5);
-        }
-      }
-      _tile_stored(1, sums[0], 64);
-      _tile_stored(2, sums[1], 64);
-      _tile_stored(3, sums[2], 64);
-      _tile_stored(6, sums[3], 64);
-      for (int64_t r = 0; r < rt; ++r) {
-        O* o = out + (r0 + r) * D + 64 * dc;
-        store_pairs(o, _mm512_load_ps(sums[0] + 16 * r), _mm512_load_ps(sums[1] + 16 * r));
-        store_pairs(o + 32, _mm512_load_ps(sums[2] + 16 * r), _mm512_load_ps(sums[3] + 16 * r));
+  };
+  auto finish = [&](int64_t r0, int rt, int dc) {  // its sums of 64 dims, back in order, out
+    _tile_stored(1, sums[0], 64);
+    _tile_stored(2, sums[1], 64);
+    _tile_stored(3, sums[2], 64);
+    _tile_stored(6, sums[3], 64);
+    for (int r = 0; r < rt; ++r) {
+      O* o = out + (r0 + r) * D + 64 * dc;
+      store_pairs(o, _mm512_load_ps(sums[0] + 16 * r), _mm512_load_ps(sums[1] + 16 * r));
+      store_pairs(o + 32, _mm512_load_ps(sums[2] + 16 * r), _mm512_load_ps(sums[3] + 16 * r));
+    }
+  };
+  auto zero = [] {
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(6);
+  };
+  if (D == 64 && R <= 16) {
+    // one row tile and one run of 64 dims (a decode step's rows): the values stream through L1 a step
+    // at a time. Paired once into L2 first, as below, a decode step of SmolLM2 took 5-10% longer.
+    alignas(64) bf16 pk[TKEYS * D];
+    Ahead ahead(values, values + n * D, TKEYS * D * 2, TKEYS / 2);
+    start(0, int(R));
+    zero();
+    for (int64_t s0 = 0; s0 < n; s0 += TKEYS) {
+      const int64_t m = std::min(TKEYS, n - s0);
+      pair_values<D>(values + s0 * D, m, TKEYS, pk, ahead);
+      mix_tiles<D>(probs, n, 0, s0 / 32, (s0 + m + 31) / 32, last, pk, 0);
+    }
+    finish(0, int(R), 0);
+  } else {
+    // several row tiles or 128 dims: the values paired once into a buffer (L2), then each row tile's
+    // 64 dims run over it. Streaming in L1 paired them again for each (a decode step of Qwen2.5-1.5B's
+    // heads: 5-10% longer); carrying the sums through memory between steps cost a decode step 10%.
+    thread_local std::vector<Line> lines;
+    bf16* pk = line_buffer(lines, tiles * 32 * D);
+    Ahead ahead(values, values + n * D, MBLOCK<D> * D * 2, MBLOCK<D> / 2);
+    pair_values<D>(values, n, MBLOCK<D>, pk, ahead);
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      const int rt = int(std::min<int64_t>(16, R - r0));
+      start(r0, rt);
+      for (int dc = 0; dc < D / 64; ++dc) {
+        zero();
+        mix_tiles<D>(probs, n, r0, 0, tiles, last, pk, dc);
+        finish(r0, rt, dc);
       }
     }
   }
