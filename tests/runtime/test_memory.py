@@ -28,26 +28,29 @@ def faults(layers):  # a prefill piece's MLPs: a 25 MB product and its halves' i
 
 
 faults(12)  # the heap settles on the first layers (after 6, a loaded CI machine still saw 6K faults)
-print(faults(12))
+# Three windows: a loaded CI machine once saw one late 12 MB block (3,072 faults) in the first window
+# after settling, and malloc as it is faulted 12-43K pages in every window seen.
+print(*[faults(12) for _ in range(3)])
 """
 
 
-def run(reuse: str) -> tuple[bool, int]:
+def run(reuse: str) -> tuple[bool, list[int]]:
     env = {**os.environ, "TRIFORCE_REUSE_MEMORY": reuse}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    on, faults = out.stdout.split()
-    return on == "True", int(faults)
+    on, *faults = out.stdout.split()
+    return on == "True", [int(f) for f in faults]
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_a_freed_tensor_is_reused_without_faulting_its_pages_again():
     """Twelve layers' MLPs over 2,048 tokens: 28-55K page faults with malloc as it is (each large
-    product comes from a fresh mapping), none once freed blocks are kept and the heap has settled."""
+    product comes from a fresh mapping), none once freed blocks are kept and the heap has settled
+    (the fewest of three windows, so one late block on a loaded machine does not decide it)."""
     on, faults = run("1")
-    assert on and faults < 2000, faults
+    assert on and min(faults) < 2000, faults
     off, faults = run("0")
-    assert not off and faults > 10000
+    assert not off and max(faults) > 10000, faults
 
 
 def test_the_setting_is_made_once_and_only_where_asked(monkeypatch):
