@@ -88,10 +88,13 @@ def load_old(rev: str) -> bool:
     try:
         load_inline(f"triforce_decode_attention_old_{rev}", cpp_sources=[cpu_kernels.PRELUDE + old_source(rev)],
                     extra_cflags=["-O3"], is_python_module=False)
-        return True
     except Exception as e:  # noqa: BLE001 - the table goes on without the column
         print(f"old kernels at {rev} not built: {e}", file=sys.stderr)
         return False
+    old = torch.ops.triforce_decode_old
+    if hasattr(old, "use_tiles"):  # a revision since session 32: its products on the path this tree's take
+        old.use_tiles(decode_attention.tiles())
+    return True
 
 
 def probes():

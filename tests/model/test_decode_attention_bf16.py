@@ -53,6 +53,27 @@ def test_attend_equals_float64(rep, T, S, D, products):
 
 
 @needs_kernels
+@pytest.mark.parametrize("D", bf16.HEAD_DIMS)
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+def test_each_weight_is_softmax_to_bf16(D, spread, products):
+    """The weights themselves: over D keys whose values are the identity, a row's output is its
+    softmax. Each weight (exp as 2^t through a degree-4 polynomial, 3e-6 of its value) is rounded to
+    bf16, the sum divides them and the output is rounded again: within 2^-7 of each probability, and
+    where scores lie 30x further apart (e^-700 at the far end, under float32's range) the small ones
+    are near zero and the large ones still right."""
+    g = torch.Generator().manual_seed(D + int(spread))
+    rows = (torch.randn(2, 6, D, generator=g) * spread).bfloat16()
+    keys = torch.randn(2, D, D, generator=g).bfloat16()
+    values = torch.eye(D).bfloat16().expand(2, D, D).contiguous()
+    got = bf16.attend(rows, keys, values, torch.tensor([D]), D ** -0.5).double()
+    want = torch.softmax(torch.einsum("hrd,hsd->hrs", rows.double(), keys.double()) * D ** -0.5, dim=-1)
+    assert (got - want).abs().max().item() <= 2 ** -7 * want.max().item()
+    big = want > 1e-3
+    assert ((got - want).abs()[big] / want[big]).max().item() <= 2 ** -7
+    assert (got[want < 1e-30] < 1e-30).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("rep,T,D", [(1, 3, 64), (3, 4, 64), (3, 7, 64), (6, 7, 64), (2, 5, 128)])
 def test_attend_gives_each_row_its_one_token_bits(rep, T, D, products):
     """A verification pass of T tokens gives each token exactly what a pass of that token alone gives
