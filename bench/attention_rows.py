@@ -4,7 +4,7 @@ an earlier revision (at most 16 rows per call: more go in chunks of 16) and torc
 x H KV heads at S keys, one thread (or --threads), medians of several repeats after a warm-up. Then
 the whole attention: the two products with torch's softmax between them (three calls, as before
 session 17) against `attend`, scores, softmax and values in one call, and `attend` over the keys in
-tiles, the layout a full cache keeps them in (model/key_tiles.py, session 21).
+tiles and values in pairs, the layout a full cache keeps them in (model/key_tiles.py, sessions 21, 33).
 
 The floors: memory, reading every key and value once at the bandwidth one thread reads a long array
 at; compute, the rows' multiply-adds at the peak rate of avx512_bf16's pair dot products (32 per
@@ -125,17 +125,19 @@ def chunked(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([op(a[:, r:r + OLD_MAX_ROWS], b) for r in range(0, a.shape[1], OLD_MAX_ROWS)], dim=1)
 
 
-def tiles_of(keys: torch.Tensor) -> torch.Tensor:
-    """Plain keys (H, S, D) in tiles, in a buffer of whole blocks; its first S slots."""
+def tiles_of(keys: torch.Tensor, write=key_tiles.write) -> torch.Tensor:
+    """Plain keys (H, S, D) in tiles (or values in pairs, with key_tiles.write_values), in a buffer of
+    whole blocks; its first S slots."""
     buffer = keys.new_zeros(keys.shape[0], key_tiles.slots_for(keys.shape[1]), keys.shape[2])
-    key_tiles.write(buffer, torch.arange(keys.shape[1]), keys)
+    write(buffer, torch.arange(keys.shape[1]), keys)
     return buffer[:, :keys.shape[1]]
 
 
 def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repeats: int, old: str | None):
     g = torch.Generator().manual_seed(0)
     cache = [tuple(torch.randn(heads, keys, dim, generator=g).bfloat16() for _ in range(2)) for _ in range(layers)]
-    tiled = [tiles_of(k) for k, _ in cache]  # the keys as a full cache stores them (model/key_tiles.py)
+    # keys and values as a full cache stores them (model/key_tiles.py)
+    tiled = [(tiles_of(k), tiles_of(v, key_tiles.write_values)) for k, v in cache]
     kv_bytes = sum(k.nbytes + v.nbytes for k, v in cache)
     p = probes()
     n = 2_000_000  # rounds of 16 pair dot products of 32 multiply-adds each
@@ -153,8 +155,8 @@ def measure(rows: list[int], keys: int, layers: int, heads: int, dim: int, repea
         row["three_calls"] = median_ms(lambda: [decode_attention.mix(
             torch.softmax(decode_attention.scores(q, k).mul_(scale), dim=-1), v) for k, v in cache], repeats)
         row["attend"] = median_ms(lambda: [decode_attention.attend(q, k, v, limits, scale) for k, v in cache], repeats)
-        row["attend_tiled"] = median_ms(lambda: [decode_attention.attend(q, t, v, limits, scale, True)
-                                                 for t, (_, v) in zip(tiled, cache)], repeats)
+        row["attend_tiled"] = median_ms(lambda: [decode_attention.attend(q, k, v, limits, scale, True)
+                                                 for k, v in tiled], repeats)
         row["bmm"] = median_ms(lambda: [(torch.bmm(q, k.transpose(1, 2)), torch.bmm(probs, v)) for k, v in cache],
                                repeats)
         if have_old:
@@ -184,7 +186,7 @@ def table(rows: list[dict], info: dict, args) -> str:
                      f"{floor:7.1f} {r['compute_floor']:8.1f} {r['memory_floor']:7.1f} {r['three_calls']:8.1f} "
                      f"{r['attend']:7.1f} {r['attend_tiled']:6.1f}")
     lines.append(f"* in calls of at most {OLD_MAX_ROWS} rows; floor: the larger of compute and memory; "
-                 "tiled: attend over keys in tiles, as the full cache holds them")
+                 "tiled: attend over keys in tiles and values in pairs, as the full cache holds them")
     return "\n".join(lines)
 
 

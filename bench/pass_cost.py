@@ -8,13 +8,15 @@ to S (the cost does not depend on their values), runs the target's forward with 
 back, and repeats: median milliseconds per pass and the ratio to T=1 at the same S. S small is the
 weights-only cost of a pass (what the retrieval and drafter levels mostly pay on CPU).
 
-`--key-layouts tiled,plain` times a full cache whose keys are in tiles (model/key_tiles.py, what a bf16
-model on avx512_bf16 builds) against one whose keys are not, alternating pass by pass in one process.
+`--key-layouts tiled,plain` times a full cache whose keys are in tiles and values in pairs
+(model/key_tiles.py, what a bf16 model on avx512_bf16 builds) against a plain one, alternating pass by
+pass in one process.
 `--against REV` does the same for the bf16 attention kernels of git revision REV (built beside this
 tree's under another op namespace, as bench.attention_rows --old does): a pass whose layers call
 REV's `cache_attend` over the key layout `--key-layouts` names (the model's own by default; `plain`
 for a revision before key tiles), then this tree's over the model's own, so a change is timed
-without another process's noise. `--products amx,avx512` (a CPU with AMX) times the weight products
+without another process's noise. (A revision before session 33 reads a tiled cache's values as plain
+ones: its passes move the same bytes, but their logits are not the model's.) `--products amx,avx512` (a CPU with AMX) times the weight products
 over stored blocks through AMX tiles (model/stored_amx.py, the default there) against the avx512
 kernels, pass by pass over one cache; `--attention tiles,avx512` the same for attention's two products
 (model/decode_attention.py: AMX tiles, the default there, against the avx512 kernels).

@@ -18,18 +18,6 @@ needs_kernels = pytest.mark.skipif(not bf16.available(), reason="no avx512_bf16 
 BOUND = 2 ** -7
 
 
-@pytest.fixture(params=["tiles", "avx512"])
-def products(request):
-    """Each path the products can take in a process: AMX tiles (where the CPU has them) and the avx512
-    kernels; the process's own choice comes back after the test."""
-    before = bf16.tiles()
-    if not bf16.switch_tiles(request.param == "tiles") and request.param == "tiles":
-        bf16.switch_tiles(before)
-        pytest.skip("no AMX tiles here: the avx512 kernels serve every row count")
-    yield request.param
-    bf16.switch_tiles(before)
-
-
 def inputs(H, R, S, D, seed):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(H, n, D, generator=g).bfloat16() for n in (R, S, S))

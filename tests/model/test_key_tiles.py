@@ -1,8 +1,9 @@
-"""Keys in tiles (model/key_tiles.py): the layout functions against plain indexing, the bf16 kernels
-over tiled keys against the same kernels over plain keys (the same bits), and a bf16 model whose full
-cache tiles its keys against one whose cache does not: the same logits, bit for bit, on every path
-(the kernels' decode and verification passes, prefill pieces through SDPA, the static view, and
-torch's GEMMs where no kernel serves), and the same keys for everything that reads them by slot."""
+"""Keys in tiles and values in pairs (model/key_tiles.py): the layout functions against plain indexing,
+the bf16 kernels over a tiled cache against the same kernels over a plain one (the same bits, through
+AMX tiles and the avx512 kernels), and a bf16 model whose full cache is tiled against one whose cache
+is not: the same logits, bit for bit, on every path (the kernels' decode and verification passes,
+prefill pieces through SDPA, the static view, and torch's GEMMs where no kernel serves), and the same
+keys and values for everything that reads them by slot."""
 import dataclasses
 
 import pytest
@@ -22,6 +23,13 @@ def tiled_copy(plain: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
+def paired_copy(plain: torch.Tensor) -> torch.Tensor:
+    """A paired buffer holding plain values (..., S, D)."""
+    buffer = torch.zeros_like(plain)
+    key_tiles.write_values(buffer, torch.arange(plain.shape[-2]), plain)
+    return buffer
+
+
 def random(*shape, seed=0, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
@@ -37,27 +45,46 @@ def test_a_tile_holds_word_p_of_its_16_keys_side_by_side():
             assert flat[(s // 16 * D // 2 + d // 2) * 32 + s % 16 * 2 + d % 2] == plain[0, s, d]
 
 
-@pytest.mark.parametrize("start,end", [(0, 128), (5, 77), (16, 32), (63, 65), (127, 128), (40, 40)])
-def test_read_gives_back_what_write_put(start, end):
+def test_a_pair_holds_two_values_dim_by_dim():
+    """The layout the values' products read: value s, dim d at (s // 2 * D + d) * 2 + s % 2."""
+    S, D = 64, 8
+    plain = torch.arange(S * D, dtype=torch.float32).view(1, S, D)
+    flat = paired_copy(plain).flatten()
+    for s in (0, 1, 5, 16, 63):
+        for d in range(D):
+            assert flat[(s // 2 * D + d) * 2 + s % 2] == plain[0, s, d]
+
+
+# each layout: (copy into it, read back, write at slots, gather per head)
+LAYOUTS = {"keys": (tiled_copy, key_tiles.read, key_tiles.write, key_tiles.gather),
+           "values": (paired_copy, key_tiles.read_values, key_tiles.write_values, key_tiles.gather_values)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("start,end", [(0, 128), (5, 77), (16, 32), (63, 65), (127, 128), (40, 40), (3, 4)])
+def test_read_gives_back_what_write_put(start, end, layout):
+    copy, read, _, _ = LAYOUTS[layout]
     plain = random(2, 3, 128, 8)
-    buffer = tiled_copy(plain)
+    buffer = copy(plain)
     assert not torch.equal(buffer, plain)  # another layout
-    assert torch.equal(key_tiles.read(buffer, start, end), plain[..., start:end, :])
+    assert torch.equal(read(buffer, start, end), plain[..., start:end, :])
     # a buffer's first slots (a narrowed view, as attention gets a layer's live slots) read the same
-    assert torch.equal(key_tiles.read(buffer[..., :max(end, 1), :], start, end), plain[..., start:end, :])
+    assert torch.equal(read(buffer[..., :max(end, 1), :], start, end), plain[..., start:end, :])
 
 
-def test_write_at_scattered_slots_and_gather_per_head():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_write_at_scattered_slots_and_gather_per_head(layout):
+    copy, read, write, gather = LAYOUTS[layout]
     plain = random(3, 128, 8, seed=1)
-    buffer = tiled_copy(plain)
+    buffer = copy(plain)
     slots = torch.tensor([3, 70, 71, 127])
     new = random(3, 4, 8, seed=2)
-    key_tiles.write(buffer, slots, new)
+    write(buffer, slots, new)
     plain[:, slots] = new
-    assert torch.equal(key_tiles.read(buffer, 0, 128), plain)
+    assert torch.equal(read(buffer, 0, 128), plain)
     index = torch.randint(0, 128, (3, 10), generator=torch.Generator().manual_seed(3))
     heads = torch.arange(3)[:, None]
-    assert torch.equal(key_tiles.gather(buffer, index), plain[heads, index])
+    assert torch.equal(gather(buffer, index), plain[heads, index])
 
 
 def test_slots_come_in_whole_blocks():
@@ -67,22 +94,25 @@ def test_slots_come_in_whole_blocks():
 @needs_kernels
 @pytest.mark.parametrize("D", decode_attention.HEAD_DIMS)
 @pytest.mark.parametrize("S", [1, 17, 64, 77, 2051])
-@pytest.mark.parametrize("R,T", [(1, 1), (3, 1), (21, 7), (42, 7)])
-def test_the_kernels_read_tiles_to_the_same_bits(R, T, S, D):
-    """The scores' chains are the ones the transposed blocks gave: every output bit equal, at part
-    blocks, part tiles and two spans."""
+@pytest.mark.parametrize("R,T", [(1, 1), (3, 1), (7, 1), (21, 7), (42, 7)])
+def test_the_kernels_read_tiles_to_the_same_bits(R, T, S, D, products):
+    """The scores' chains are the ones the transposed blocks gave, the values' sums the ones the
+    interleaved pairs gave: every output bit equal, at part blocks, part tiles, odd keys and two spans.
+    The slots past the keys hold values (a later token's, in a cache): a pair's partner slot past the
+    last key is weighed 0, and the bits are those of a zero there."""
     if T > S:
         pytest.skip("fewer keys than new tokens")
     slots = key_tiles.slots_for(S)
     keys, values = random(2, slots, D, seed=S + D, dtype=torch.bfloat16), random(2, slots, D, seed=R, dtype=torch.bfloat16)
     rows = random(2, R, D, seed=T, dtype=torch.bfloat16)
     limits = torch.arange(S - T + 1, S + 1)
-    want = decode_attention.attend(rows, keys[:, :S], values[:, :S], limits, D ** -0.5)
-    got = decode_attention.attend(rows, tiled_copy(keys)[:, :S], values[:, :S], limits, D ** -0.5, True)
+    want = decode_attention.attend(rows, keys[:, :S], values[:, :S].contiguous(), limits, D ** -0.5)
+    got = decode_attention.attend(rows, tiled_copy(keys)[:, :S], paired_copy(values)[:, :S], limits, D ** -0.5, True)
     assert torch.equal(got, want)
 
 
 @needs_kernels
+@pytest.mark.usefixtures("products")
 @pytest.mark.parametrize("T,start,rep,D", [(1, 0, 3, 64), (1, 300, 1, 128), (5, 2046, 3, 64), (7, 4100, 1, 128),
                                           (3, 17, 2, 64)])
 def test_cache_attend_writes_tiles_and_attends_to_the_same_bits(T, start, rep, D):
@@ -93,11 +123,12 @@ def test_cache_attend_writes_tiles_and_attends_to_the_same_bits(T, start, rep, D
     q = qkv[:, :H * rep * D].view(T, H * rep, D)
     k = qkv[:, H * rep * D:(H * rep + H) * D].view(T, H, D)
     v = qkv[:, (H * rep + H) * D:].view(T, H, D)
-    plain_k, plain_v, tiles_k, tiles_v = keys.clone(), values.clone(), tiled_copy(keys), values.clone()
+    plain_k, plain_v, tiles_k, pairs_v = keys.clone(), values.clone(), tiled_copy(keys), paired_copy(values)
     want = decode_attention.cache_attend(q, k, v, plain_k, plain_v, 1, start, D ** -0.5)
-    got = decode_attention.cache_attend(q, k, v, tiles_k, tiles_v, 1, start, D ** -0.5, True)
+    got = decode_attention.cache_attend(q, k, v, tiles_k, pairs_v, 1, start, D ** -0.5, True)
     assert torch.equal(got, want)
-    assert torch.equal(key_tiles.read(tiles_k, 0, slots), plain_k) and torch.equal(tiles_v, plain_v)
+    assert torch.equal(key_tiles.read(tiles_k, 0, slots), plain_k)
+    assert torch.equal(key_tiles.read_values(pairs_v, 0, slots), plain_v)
 
 
 @needs_kernels

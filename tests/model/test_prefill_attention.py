@@ -1,5 +1,5 @@
 """decode_attention.prefill: a prefill piece's bf16 attention (T >= 32 new tokens over the cache)
-against float64, over plain and tiled keys, on one and two threads, and the path attention.py takes
+against float64, over a plain and a tiled cache (keys in tiles, values in pairs), on one and two threads, and the path attention.py takes
 for it. (A whole bf16 model over tiled and plain caches, prompt pieces included, bit for bit:
 tests/model/test_key_tiles.py.)"""
 import pytest
@@ -15,17 +15,19 @@ needs_kernels = pytest.mark.skipif(not bf16.available(), reason="no avx512_bf16 
 
 
 def piece(T, start, Hkv, rep, D, seed):
-    """q (T, Hkv * rep, D) of the piece's tokens, and keys and values (Hkv, slots, D) holding the past
-    and the piece in a buffer of whole blocks (as a full cache holds them); plain and tiled keys."""
+    """q (T, Hkv * rep, D) of the piece's tokens, keys and values (Hkv, S, D) of the past and the piece,
+    and the same in buffers of whole blocks as a tiled full cache holds them: (keys in tiles, values in
+    pairs)."""
     g = torch.Generator().manual_seed(seed)
     S = start + T
     q = torch.randn(T, Hkv * rep, D, generator=g).bfloat16()
     keys = torch.randn(Hkv, S, D, generator=g).bfloat16()
     values = torch.zeros(Hkv, key_tiles.slots_for(S), D, dtype=torch.bfloat16)
     values[:, :S] = torch.randn(Hkv, S, D, generator=g).bfloat16()
-    tiled = torch.zeros_like(values)
+    tiled, paired = torch.zeros_like(values), torch.zeros_like(values)
     key_tiles.write(tiled, torch.arange(S), keys)
-    return q, keys, tiled[:, :S], values[:, :S]
+    key_tiles.write_values(paired, torch.arange(S), values[:, :S])
+    return q, keys, values[:, :S], (tiled[:, :S], paired[:, :S])
 
 
 def reference(q, keys, values, start):
@@ -48,25 +50,25 @@ def reference(q, keys, values, start):
 @needs_kernels
 def test_prefill_equals_float64(T, start, Hkv, rep, D):
     """The first token of a prompt sees one key: a limit off by one moves it by a whole value."""
-    q, keys, tiled, values = piece(T, start, Hkv, rep, D, seed=T + start + D)
+    q, keys, values, tiled = piece(T, start, Hkv, rep, D, seed=T + start + D)
     want, scale = reference(q, keys, values, start)
-    for layout, k in (("plain", keys), ("tiled", tiled)):
-        got = bf16.prefill(q, k, values, start, D ** -0.5, layout == "tiled")
+    for layout, (k, v) in (("plain", (keys, values)), ("tiled", tiled)):
+        got = bf16.prefill(q, k, v, start, D ** -0.5, layout == "tiled")
         assert got.dtype == torch.bfloat16 and got.shape == want.shape, layout
         assert ((got.double() - want).abs() / scale).max().item() <= BOUND, layout
 
 
 @needs_kernels
-def test_prefill_bits_follow_neither_layout_nor_threads():
-    """Tiled and plain keys give the same sums; so do one and two threads (every task is its own)."""
-    q, keys, tiled, values = piece(300, 700, 3, 3, 64, seed=5)
+def test_prefill_bits_follow_neither_layout_nor_threads(products):
+    """A tiled and a plain cache give the same sums; so do one and two threads (every task is its own)."""
+    q, keys, values, tiled = piece(300, 700, 3, 3, 64, seed=5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = bf16.prefill(q, tiled, values, 700, 0.125, True)
+        one = bf16.prefill(q, *tiled, 700, 0.125, True)
         torch.set_num_threads(2)
         with cpu_pool.kernels_threaded():
-            two = bf16.prefill(q, tiled, values, 700, 0.125, True)
+            two = bf16.prefill(q, *tiled, 700, 0.125, True)
         plain = bf16.prefill(q, keys, values, 700, 0.125, False)
     finally:
         torch.set_num_threads(threads)
@@ -75,7 +77,7 @@ def test_prefill_bits_follow_neither_layout_nor_threads():
 
 @needs_kernels
 def test_prefill_refuses_what_does_not_fit():
-    q, keys, tiled, values = piece(40, 10, 2, 3, 64, seed=2)
+    q, keys, values, tiled = piece(40, 10, 2, 3, 64, seed=2)
     with pytest.raises(RuntimeError, match="must hold the start and the new tokens"):
         bf16.prefill(q, keys, values, 11, 0.125)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -92,11 +94,11 @@ def test_attend_takes_the_chosen_path_for_a_bf16_piece(start, setting, monkeypat
     the bound of float64 attention on the same inputs."""
     monkeypatch.setattr(attention, "PREFILL_KERNEL", setting)
     T = attention.SDPA_MIN_QUERIES + 7
-    q, keys, tiled, values = piece(T, start, 3, 3, 64, seed=start)
+    q, keys, values, tiled = piece(T, start, 3, 3, 64, seed=start)
     calls = []
     kernel = bf16.prefill
     monkeypatch.setattr(bf16, "prefill", lambda *a: calls.append(a[3]) or kernel(*a))
-    got = attention.attend(q, tiled, values, tiled=True)
+    got = attention.attend(q, *tiled, tiled=True)
     chosen = attention.prefill_kernel_serves() if setting is None else setting
     assert calls == ([start] if chosen else [])
     want, scale = reference(q, keys, values, start)

@@ -66,7 +66,7 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     Eager on CPU, where a kernel module serves (bf16 rows on avx512_bf16, float32 on avx2), both are one
     call (`cache_attend`): the write, the views and the grouping were ~20 of a layer's ~50 torch ops.
     The same bits either way: the same rounding into the cache, the same kernels. `tiled`: cache_k
-    holds its keys in tiles (model/key_tiles.py)."""
+    holds its keys in tiles and cache_v its values in pairs (model/key_tiles.py)."""
     T = k.shape[0]
     if T < SDPA_MIN_QUERIES and not q.is_cuda and layer_ops.enabled and not torch.compiler.is_compiling():
         scale = q.shape[-1] ** -0.5
@@ -75,10 +75,12 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
         if not tiled and decode_attention_f32.serves(q, cache_k):  # float32 on avx2
             return decode_attention_f32.cache_attend(q, k, v, cache_k, cache_v, layer, start, scale)
     if tiled:
-        key_tiles.write(cache_k[layer], torch.arange(start, start + T, device=k.device), k.transpose(0, 1))
+        slots = torch.arange(start, start + T, device=k.device)
+        key_tiles.write(cache_k[layer], slots, k.transpose(0, 1))
+        key_tiles.write_values(cache_v[layer], slots, v.transpose(0, 1))
     else:
         cache_k[layer, :, start:start + T] = k.transpose(0, 1)
-    cache_v[layer, :, start:start + T] = v.transpose(0, 1)
+        cache_v[layer, :, start:start + T] = v.transpose(0, 1)
     return attend(q, cache_k[layer, :, :start + T], cache_v[layer, :, :start + T], tiled)
 
 
@@ -86,7 +88,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiled: boo
     """Causal attention of the last T positions.
 
     q: (T, Hq, D) rotated queries of the T newest tokens; keys/values: (Hkv, S, D) with the T newest
-    tokens last (`tiled`: the keys in tiles, model/key_tiles.py). Returns (T, Hq * D). Every earlier
+    tokens last (`tiled`: keys in tiles, values in pairs, model/key_tiles.py). Returns (T, Hq * D). Every earlier
     key is visible to every query.
     """
     if _FLASH is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype:
@@ -97,8 +99,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiled: boo
             # a prefill piece in bf16 on avx512_bf16 without AMX: 1.9x torch's CPU flash kernel
             return decode_attention.prefill(q, keys, values, keys.shape[1] - q.shape[0], q.shape[-1] ** -0.5, tiled)
         kernels_serve = False  # SDPA's turn
-    if tiled and not kernels_serve:
-        keys, tiled = key_tiles.read(keys, 0, keys.shape[1]), False  # a plain copy for SDPA or the GEMMs
+    if tiled and not kernels_serve:  # plain copies for SDPA or the GEMMs
+        keys, values, tiled = key_tiles.read(keys, 0, keys.shape[1]), key_tiles.read_values(values, 0, values.shape[1]), False
     if q.shape[0] >= SDPA_MIN_QUERIES:  # a prefill chunk: one widening copy of the layer is cheap
         return _attend_sdpa(q, keys.to(q.dtype), values.to(q.dtype))
     return _attend_grouped(q, keys, values, tiled)
@@ -169,7 +171,7 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     CPU kernels take instead (they never read the slots past them).
     The query heads sharing a KV head are rows of one product, as in `_attend_grouped`: torch's CPU
     SDPA with a mask took 3.3 ms for one bf16 query against 4,200 keys (9 heads), this 0.17 ms.
-    `tiled`: the keys in tiles (model/key_tiles.py)."""
+    `tiled`: keys in tiles, values in pairs (model/key_tiles.py)."""
     T, Hq, D = q.shape
     Hkv = keys.shape[0]
     rep = Hq // Hkv
@@ -181,7 +183,7 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
         out = _kernel_attend(kernels, grouped, keys, values, limits, D ** -0.5, tiled)
         return out.view(Hkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
     if tiled:
-        keys = key_tiles.read(keys, 0, keys.shape[1])
+        keys, values = key_tiles.read(keys, 0, keys.shape[1]), key_tiles.read_values(values, 0, values.shape[1])
     scores = torch.bmm(grouped, keys.to(q.dtype).transpose(1, 2)).view(Hkv, rep, T, -1)
     # the mask broadcasts over the heads: nothing per layer builds or copies it (compiled, the add
     # rides in the softmax kernel)

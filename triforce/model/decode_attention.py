@@ -19,9 +19,13 @@ avx512_bf16's pair dot products (32 multiply-adds per instruction):
 - values: keys s, s+1 interleaved in each 32-bit lane against the broadcast weights (p[r,s], p[r,s+1]).
   Up to one tile of rows (6 at head_dim 64, 3 at 128) every sum stays in registers through all keys;
   more rows: a block of keys is interleaved once into a buffer and every tile of rows runs over it,
-  the sums waiting in a float32 buffer between blocks.
+  the sums waiting in a float32 buffer between blocks. A full cache stores its values interleaved
+  (key_tiles.py: pairs; `tiled` says so), read where they lie: a decode step of SmolLM2 at 16K keys
+  24.5 ms against 26.9 when each call interleaved them (two threads, AMX), 36.7 against 40.4 at 7
+  tokens; the same sums, so the same bits.
 - attend: a task per (head, span of 2,048 keys) scores its rows into float32, turns them into bf16
-  weights against the span's own maximum (a vectorized exp) and mixes the span's values; each head
+  weights against the span's own maximum (2^t by a degree-4 polynomial, 32 weights a step) and mixes
+  the span's values; each head
   then merges its spans by their maxima, in span order (cpu_kernels.attend_spans). Against scores,
   torch's softmax and mix as three calls (SmolLM2 at 16K keys, 30 layers, two threads): 3 rows 8.7 ->
   6.6 ms, 21 rows 26.1 -> 17.4.
@@ -232,6 +236,13 @@ AVX512 void scores_many(const bf16* rows, int64_t R, const bf16* keys, int64_t S
 // lanes, so the 32 dims of a 64-byte chunk land in a fixed order: lo holds dims 0-3, 8-11, 16-19,
 // 24-27 and hi the other 16; the sums are put back in order once, when stored. An odd last key is
 // paired with a zero value and a zero weight.
+//
+// PAIRED: the values are stored in pairs already (key_tiles.py: a full cache of a bf16 model), keys
+// 2p and 2p + 1 as (v[2p, d], v[2p + 1, d]) for d in order, so a pair's 16 lanes are loaded where they
+// lie and the sums come out in dim order. Interleaving took 3.5 of the 20 ms a decode step's values
+// cost at 16K keys (SmolLM2, one thread, AMX), 9 of 27 at 21 rows. An odd last key's partner slot
+// holds whatever the buffer does there (zeros, or a later token's value): its weight is 0, so it adds
+// +-0 and the bits are those of a zero value.
 
 // 32 dims of one row from their lo and hi sums, back in order, rounded to bf16
 AVX512 inline void store_pairs(bf16* out, __m512 lo, __m512 hi) {
@@ -248,14 +259,22 @@ AVX512 inline void store_pairs(float* out, __m512 lo, __m512 hi) {  // the same,
   _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, second, hi));
 }
 
+// 16 sums in dim order, as float32 or rounded to bf16
+AVX512 inline void store16(float* out, __m512 x) { _mm512_storeu_ps(out, x); }
+AVX512 inline void store16(bf16* out, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(x));
+}
+
 // ---- a few rows (one tile): every row's sums in registers through all keys ----
 // acc[r] += keys s, s+1 of RT rows (PAIR false: key s alone, the last)
-template <int D, int RT, bool PAIR>
+template <int D, int RT, bool PAIR, bool PAIRED>
 AVX512 inline void mix_pair(const bf16* probs, int64_t S, const bf16* values, int64_t s, __m512 (*acc)[D / 16]) {
-  const bf16* a = values + s * D;
+  const bf16* a = values + s * D;  // s is even: pair s / 2 starts there too
   for (int line = 0; line < 2 * D; line += 32) read_ahead(a + line);  // 64-byte lines
   __m512bh v[D / 16];
-  for (int c = 0; c < D / 32; ++c) {
+  if constexpr (PAIRED)
+    for (int k = 0; k < D / 16; ++k) v[k] = (__m512bh)_mm512_loadu_si512(a + 32 * k);
+  else for (int c = 0; c < D / 32; ++c) {
     __m512i x = _mm512_loadu_si512(a + 32 * c);
     __m512i y = PAIR ? _mm512_loadu_si512(a + D + 32 * c) : _mm512_setzero_si512();
     v[2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
@@ -267,16 +286,19 @@ AVX512 inline void mix_pair(const bf16* probs, int64_t S, const bf16* values, in
   }
 }
 
-template <int D, int RT, typename O>
+template <int D, int RT, bool PAIRED, typename O>
 AVX512 void mix_few(const bf16* probs, int64_t S, const bf16* values, O* out) {
   __m512 acc[RT][D / 16];
   for (int r = 0; r < RT; ++r)
     for (int k = 0; k < D / 16; ++k) acc[r][k] = _mm512_setzero_ps();
   int64_t s = 0;
-  for (; s + 2 <= S; s += 2) mix_pair<D, RT, true>(probs, S, values, s, acc);
-  if (s < S) mix_pair<D, RT, false>(probs, S, values, s, acc);
+  for (; s + 2 <= S; s += 2) mix_pair<D, RT, true, PAIRED>(probs, S, values, s, acc);
+  if (s < S) mix_pair<D, RT, false, PAIRED>(probs, S, values, s, acc);
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < D / 32; ++c) store_pairs(out + r * D + 32 * c, acc[r][2 * c], acc[r][2 * c + 1]);
+    if constexpr (PAIRED)
+      for (int k = 0; k < D / 16; ++k) store16(out + r * D + 16 * k, acc[r][k]);
+    else
+      for (int c = 0; c < D / 32; ++c) store_pairs(out + r * D + 32 * c, acc[r][2 * c], acc[r][2 * c + 1]);
 }
 
 // ---- more rows: a block of keys interleaved once, then every tile of rows runs over it ----
@@ -315,7 +337,7 @@ AVX512 void mix_tile(const bf16* probs, int64_t S, const bf16* pk, int64_t n, fl
   for (int64_t t = 0; t < pairs; ++t) {
     ahead.step();
     __m512bh v[4];
-    for (int k = 0; k < 4; ++k) v[k] = (__m512bh)_mm512_load_si512(pk + (t * D / 16 + 4 * dc + k) * 32);
+    for (int k = 0; k < 4; ++k) v[k] = (__m512bh)_mm512_loadu_si512(pk + (t * D / 16 + 4 * dc + k) * 32);
     for (int r = 0; r < RT; ++r) {
       __m512bh p = (__m512bh)_mm512_set1_epi32(word(probs + r * S + 2 * t));
       for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, v[k]);
@@ -323,7 +345,7 @@ AVX512 void mix_tile(const bf16* probs, int64_t S, const bf16* pk, int64_t n, fl
   }
   if (n % 2) {  // the last key alone: its partner's value and weight are 0
     __m512bh v[4];
-    for (int k = 0; k < 4; ++k) v[k] = (__m512bh)_mm512_load_si512(pk + (pairs * D / 16 + 4 * dc + k) * 32);
+    for (int k = 0; k < 4; ++k) v[k] = (__m512bh)_mm512_loadu_si512(pk + (pairs * D / 16 + 4 * dc + k) * 32);
     for (int r = 0; r < RT; ++r) {
       __m512bh p = (__m512bh)_mm512_set1_epi32(probs[r * S + n - 1]);
       for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, v[k]);
@@ -333,17 +355,19 @@ AVX512 void mix_tile(const bf16* probs, int64_t S, const bf16* pk, int64_t n, fl
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc_rows + r * D + 64 * dc + 16 * k, acc[r][k]);
 }
 
-template <int D, typename O>
+template <int D, bool PAIRED, typename O>
 AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values, O* out, float* acc) {
   constexpr int KB = MBLOCK<D>;
-  alignas(64) bf16 pk[KB * D];
+  alignas(64) bf16 buffer[PAIRED ? 32 : KB * D];
   for (int64_t i = 0; i < R * D; ++i) acc[i] = 0.0f;
   constexpr int64_t bytes = KB * D * 2;
-  Ahead ahead(values, values + S * D, bytes, KB / 2 + (R + MROWS - 1) / MROWS * KB / 2 * D / 64);
+  Ahead ahead(values, values + S * D, bytes, (PAIRED ? 0 : KB / 2) + (R + MROWS - 1) / MROWS * KB / 2 * D / 64);
   for (int64_t s0 = 0; s0 < S; s0 += KB) {
     int64_t n = std::min<int64_t>(KB, S - s0);
     ahead.aim(values + s0 * D, bytes);
-    interleave_block<D>(values + s0 * D, n, pk, ahead);
+    const bf16* pk = buffer;
+    if constexpr (PAIRED) pk = values + s0 * D;
+    else interleave_block<D>(values + s0 * D, n, buffer, ahead);
     for (int dc = 0; dc < D / 64; ++dc) {
       int64_t r = 0;
       for (; r + MROWS <= R; r += MROWS) mix_tile<D, MROWS>(probs + r * S + s0, S, pk, n, acc + r * D, dc, ahead);
@@ -359,9 +383,12 @@ AVX512 void mix_many(const bf16* probs, int64_t R, int64_t S, const bf16* values
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int c = 0; c < D / 32; ++c)
-      store_pairs(out + r * D + 32 * c, _mm512_loadu_ps(acc + r * D + 32 * c),
-                  _mm512_loadu_ps(acc + r * D + 32 * c + 16));
+    if constexpr (PAIRED)
+      for (int k = 0; k < D / 16; ++k) store16(out + r * D + 16 * k, _mm512_loadu_ps(acc + r * D + 16 * k));
+    else
+      for (int c = 0; c < D / 32; ++c)
+        store_pairs(out + r * D + 32 * c, _mm512_loadu_ps(acc + r * D + 32 * c),
+                    _mm512_loadu_ps(acc + r * D + 32 * c + 16));
 }
 
 // ======== both products through AMX tiles (CPUs with amx_bf16: Intel Sapphire Rapids and later) ========
@@ -503,7 +530,7 @@ void pair_values(const bf16* values, int64_t n, int64_t block, bf16* pk, Ahead& 
 // every sum runs in key order whatever the rows, so both ways below give the same bits.
 constexpr int64_t TKEYS = 128;  // keys a step when the values stream through L1: 16 KB of pairs at 64 dims
 
-template <int D, typename O>
+template <int D, bool PAIRED, typename O>
 void tile_mix(const bf16* probs, int64_t R, int64_t n, const bf16* values, O* out) {
   alignas(64) bf16 last[16 * 32];
   alignas(64) float sums[4][16 * 16];
@@ -522,8 +549,12 @@ void tile_mix(const bf16* probs, int64_t R, int64_t n, const bf16* values, O* ou
     _tile_stored(6, sums[3], 64);
     for (int r = 0; r < rt; ++r) {
       O* o = out + (r0 + r) * D + 64 * dc;
-      store_pairs(o, _mm512_load_ps(sums[0] + 16 * r), _mm512_load_ps(sums[1] + 16 * r));
-      store_pairs(o + 32, _mm512_load_ps(sums[2] + 16 * r), _mm512_load_ps(sums[3] + 16 * r));
+      if constexpr (PAIRED)  // stored pairs: each tile's 16 sums are 16 dims in order
+        for (int k = 0; k < 4; ++k) store16(o + 16 * k, _mm512_load_ps(sums[k] + 16 * r));
+      else {
+        store_pairs(o, _mm512_load_ps(sums[0] + 16 * r), _mm512_load_ps(sums[1] + 16 * r));
+        store_pairs(o + 32, _mm512_load_ps(sums[2] + 16 * r), _mm512_load_ps(sums[3] + 16 * r));
+      }
     }
   };
   auto zero = [] {
@@ -535,13 +566,20 @@ void tile_mix(const bf16* probs, int64_t R, int64_t n, const bf16* values, O* ou
   if (D == 64 && R <= 16) {
     // one row tile and one run of 64 dims (a decode step's rows): the values stream through L1 a step
     // at a time. Paired once into L2 first, as below, a decode step of SmolLM2 took 5-10% longer.
-    alignas(64) bf16 pk[TKEYS * D];
+    alignas(64) bf16 buffer[PAIRED ? 32 : TKEYS * D];
     Ahead ahead(values, values + n * D, TKEYS * D * 2, TKEYS / 2);
     start(0, int(R));
     zero();
     for (int64_t s0 = 0; s0 < n; s0 += TKEYS) {
       const int64_t m = std::min(TKEYS, n - s0);
-      pair_values<D>(values + s0 * D, m, TKEYS, pk, ahead);
+      const bf16* pk = buffer;
+      if constexpr (PAIRED) {  // read where they lie; the step's lines asked for as pairing would
+        pk = values + s0 * D;
+        ahead.aim(pk, TKEYS * D * 2);
+        for (int64_t i = 0; i < TKEYS / 2; ++i) ahead.step();
+      } else {
+        pair_values<D>(values + s0 * D, m, TKEYS, buffer, ahead);
+      }
       mix_tiles<D>(probs, n, 0, s0 / 32, (s0 + m + 31) / 32, last, pk, 0);
     }
     finish(0, int(R), 0);
@@ -550,9 +588,13 @@ void tile_mix(const bf16* probs, int64_t R, int64_t n, const bf16* values, O* ou
     // 64 dims run over it. Streaming in L1 paired them again for each (a decode step of Qwen2.5-1.5B's
     // heads: 5-10% longer); carrying the sums through memory between steps cost a decode step 10%.
     thread_local std::vector<Line> lines;
-    bf16* pk = line_buffer(lines, tiles * 32 * D);
-    Ahead ahead(values, values + n * D, MBLOCK<D> * D * 2, MBLOCK<D> / 2);
-    pair_values<D>(values, n, MBLOCK<D>, pk, ahead);
+    const bf16* pk = values;
+    if constexpr (!PAIRED) {
+      bf16* paired = line_buffer(lines, tiles * 32 * D);
+      Ahead ahead(values, values + n * D, MBLOCK<D> * D * 2, MBLOCK<D> / 2);
+      pair_values<D>(values, n, MBLOCK<D>, paired, ahead);
+      pk = paired;
+    }
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int rt = int(std::min<int64_t>(16, R - r0));
       start(r0, rt);
@@ -599,25 +641,32 @@ void scores_head(const bf16* rows, int64_t R, const bf16* keys, int64_t S, O* ou
   else scores_many<D, false>(rows, R, keys, S, out, ld);
 }
 
-template <int D, typename O>
-void mix_head(const bf16* probs, int64_t R, int64_t S, const bf16* values, O* out) {
+template <int D, bool PAIRED, typename O>
+void mix_rows(const bf16* probs, int64_t R, int64_t S, const bf16* values, O* out) {
 #if TILES_BUILD
-  if (tiles_on) return tile_mix<D>(probs, R, S, values, out);
+  if (tiles_on) return tile_mix<D, PAIRED>(probs, R, S, values, out);
 #endif
   // up to one tile, the sums stay in registers: 6 rows x 4 vectors at 64 dims, 3 x 8 at 128
   switch (R) {
-    case 1: return mix_few<D, 1, O>(probs, S, values, out);
-    case 2: return mix_few<D, 2, O>(probs, S, values, out);
-    case 3: return mix_few<D, 3, O>(probs, S, values, out);
+    case 1: return mix_few<D, 1, PAIRED>(probs, S, values, out);
+    case 2: return mix_few<D, 2, PAIRED>(probs, S, values, out);
+    case 3: return mix_few<D, 3, PAIRED>(probs, S, values, out);
   }
   if constexpr (D == 64) switch (R) {
-    case 4: return mix_few<D, 4, O>(probs, S, values, out);
-    case 5: return mix_few<D, 5, O>(probs, S, values, out);
-    case 6: return mix_few<D, 6, O>(probs, S, values, out);
+    case 4: return mix_few<D, 4, PAIRED>(probs, S, values, out);
+    case 5: return mix_few<D, 5, PAIRED>(probs, S, values, out);
+    case 6: return mix_few<D, 6, PAIRED>(probs, S, values, out);
   }
   thread_local std::vector<float> acc;  // the rows' float32 sums between blocks, per thread
   if (acc.size() < size_t(R * D)) acc.resize(R * D);
-  mix_many<D>(probs, R, S, values, out, acc.data());
+  mix_many<D, PAIRED>(probs, R, S, values, out, acc.data());
+}
+
+// probs (R rows, S apart) . values for one head; `paired`: the values stored in pairs (key_tiles.py)
+template <int D, typename O>
+void mix_head(const bf16* probs, int64_t R, int64_t S, const bf16* values, O* out, bool paired = false) {
+  if (paired) mix_rows<D, true>(probs, R, S, values, out);
+  else mix_rows<D, false>(probs, R, S, values, out);
 }
 
 void check_cache(const at::Tensor& cache, int64_t heads) {
@@ -670,12 +719,13 @@ at::Tensor mix(const at::Tensor& probs_in, const at::Tensor& values) {
 // + (s % 16) * 2, the block layout transpose_block writes. The kernels read whole blocks of 64 keys.
 constexpr int64_t TILE = 16;
 
+// keys in tiles, or values in pairs (read in whole tiles of 32 keys): whole blocks from a tile on
 void check_tiles(const at::Tensor& keys) {
   int64_t H = keys.size(0), S = keys.size(1), D = keys.size(2);
   int64_t reach = (S + SBLOCK - 1) / SBLOCK * SBLOCK;  // the slots a part block reads
   TORCH_CHECK(H == 0 || ((keys.storage_offset() + (H - 1) * keys.stride(0) + reach * D) * 2 <= int64_t(keys.storage().nbytes())
               && keys.stride(0) % (TILE * D) == 0 && keys.storage_offset() % (TILE * D) == 0),
-              "tiled keys must start at a tile and hold whole blocks of 64 slots");
+              "a tiled cache's keys and values must start at a tile and hold whole blocks of 64 slots");
 }
 
 // ======== attention whole: scores, softmax and mix in one call ========
@@ -758,7 +808,7 @@ void attend_heads(const bf16* k, int64_t k_head, const bf16* v, int64_t v_head, 
     scores_head<D>(rows + h * R * D, R, k + h * k_head + s0 * D, reach, scores.data(), reach, tiled);
     for (int64_t r = 0; r < R; ++r)
       span_weights(scores.data() + r * reach, seen[r], reach, scale, weights.data() + r * reach, top[r], total[r]);
-    mix_head<D>(weights.data(), R, reach, v + h * v_head + s0 * D, part);
+    mix_head<D>(weights.data(), R, reach, v + h * v_head + s0 * D, part, tiled);
   });
 }
 
@@ -774,7 +824,7 @@ at::Tensor attend_rows(const at::Tensor& rows_in, const at::Tensor& keys, const 
   check_cache(values, H);
   TORCH_CHECK(keys.size(1) == values.size(1) && keys.size(2) == D && values.size(2) == D, "keys and values must match");
   TORCH_CHECK(T > 0 && R % T == 0, "limits must hold one count per token of the rows");
-  if (tiled) check_tiles(keys);
+  if (tiled) check_tiles(keys), check_tiles(values);
   auto out = at::zeros({H, R, D}, rows.options().dtype(at::kFloat));
   if (keys.size(1) > 0 && R > 0) {
     float* o = out.data_ptr<float>();
@@ -826,14 +876,17 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
   auto* values = reinterpret_cast<bf16*>(cache_v.data_ptr()) + layer * H * slots * D;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h) {
-      const bf16* key = data(k) + t * k.stride(0) + h * k.stride(1);
-      std::memcpy(values + (h * slots + start + t) * D, data(v) + t * v.stride(0) + h * v.stride(1), D * 2);
+      const bf16 *key = data(k) + t * k.stride(0) + h * k.stride(1), *value = data(v) + t * v.stride(0) + h * v.stride(1);
+      int64_t s = start + t;
       if (!tiled) {
-        std::memcpy(keys + (h * slots + start + t) * D, key, D * 2);
+        std::memcpy(keys + (h * slots + s) * D, key, D * 2);
+        std::memcpy(values + (h * slots + s) * D, value, D * 2);
         continue;
       }
+      // value s in pair s / 2, half s % 2: (v[2p, d], v[2p + 1, d]) for d in order (key_tiles.py)
+      bf16* pair = values + (h * slots + s / 2 * 2) * D + s % 2;
+      for (int64_t d = 0; d < D; ++d) pair[2 * d] = value[d];
       // key s at tile s / 16, lane s % 16: word p of the tile's keys side by side (key_tiles.py)
-      int64_t s = start + t;
       auto* tile = reinterpret_cast<int32_t*>(keys + (h * slots + s / TILE * TILE) * D) + s % TILE;
       for (int64_t p = 0; p < D / 2; ++p) std::memcpy(tile + p * TILE, key + 2 * p, 4);
     }
@@ -897,7 +950,7 @@ void prefill_rows(const bf16* keys, const bf16* values, const bf16* rows, int64_
       span_weights(scores.data() + r * PREFILL_SPAN, seen, n, scale, weights.data() + r * n, span_top[r],
                    span_total[r]);
     }
-    mix_head<D>(weights.data(), R, n, values + s0 * D, part.data());  // weights' rows n apart
+    mix_head<D>(weights.data(), R, n, values + s0 * D, part.data(), tiled);  // weights' rows n apart
     for (int64_t r = 0; r < R; ++r)
       if (limits[r] > s0)  // a row whose keys ended before this step saw none of it
         merge_span<D>(out + r * D, top[r], total[r], part.data() + r * D, span_top[r], span_total[r]);
@@ -919,7 +972,7 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& keys, const at::Tensor
   TORCH_CHECK(H > 0 && Hq % H == 0 && keys.size(2) == D && values.size(2) == D && keys.size(1) == values.size(1),
               "q, keys and values disagree");
   TORCH_CHECK(start >= 0 && start + T <= keys.size(1), "the keys must hold the start and the new tokens");
-  if (tiled) check_tiles(keys);
+  if (tiled) check_tiles(keys), check_tiles(values);
   int64_t rep = Hq / H, block = std::max<int64_t>(1, PREFILL_ROWS / rep), blocks = (T + block - 1) / block;
   auto out = at::empty({T, Hq * D}, q.options());
   auto* o = reinterpret_cast<bf16*>(out.data_ptr());

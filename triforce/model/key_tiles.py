@@ -1,4 +1,5 @@
-"""Keys stored in tiles, the layout the CPU bf16 attention kernels read (model/decode_attention.py).
+"""Keys stored in tiles and values in pairs, the layouts the CPU bf16 attention kernels read
+(model/decode_attention.py).
 
 A tile is 16 consecutive keys of one head with their dims regrouped: word p (dims 2p and 2p + 1) of
 all 16 keys side by side, one 64-byte vector, then word p + 1. The scores kernel broadcasts a query's
@@ -8,10 +9,17 @@ per 16 keys and 32 dims, all on one port: the scores of 3 rows took 4.4 ms, 3.0 
 4.0 and 2.05; SmolLM2, 30 layers x 3 KV heads at 4K keys, one thread). A decode step of SmolLM2 at two
 threads: 1.06x as fast at 4K, 1.12x at 16K. The sums are the same, so are the bits.
 
+A pair is two consecutive values of one head, dim by dim: (v[2p, d], v[2p + 1, d]) for d in order, the
+operand a pair dot product (and an AMX tile's row) takes for the weights of keys 2p and 2p + 1. Stored
+plainly, every call interleaved each block of values first: 3.5 of the 20 ms a decode step's values
+product took at 16K keys (SmolLM2, one thread, AMX tiles), 9 of 27 for a 7-token pass's 21 rows. The
+products run in the same order over the same numbers, so the bits are those of plain values.
+
 A buffer keeps the shape (..., slots, head_dim) of a plain one, its slots a whole number of blocks of
 64 (the kernels read a part block's tiles whole). Only the full cache of a bf16 model on a CPU whose
-bf16 kernels build stores its keys so (`serves`); everything that reads or writes keys by slot goes
-through the functions here, which address a tiled buffer as (..., tile, key in tile, word, half).
+bf16 kernels build stores its keys and values so (`serves`, the cache's `tiled`); everything that
+reads or writes them by slot goes through the functions here, which address a tiled key buffer as
+(..., tile, key in tile, word, half) and a paired value buffer as (..., pair, half, dim).
 """
 from __future__ import annotations
 
@@ -61,3 +69,28 @@ def gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Keys of a tiled layer (H, S, D) at token positions `index` (H, n), chosen per head -> (H, n, D)."""
     heads = torch.arange(index.shape[0], device=index.device)[:, None]
     return grid(buffer)[heads, index // TILE, index % TILE].flatten(-2)
+
+
+def pairs(buffer: torch.Tensor) -> torch.Tensor:
+    """A paired value buffer (..., S, D), or its first S slots, as a view (..., pairs, 2, D): [pair, half]
+    is value 2 pair + half. A last odd slot's partner is the buffer's own next slot."""
+    *lead, S, D = buffer.shape
+    return buffer.as_strided((*lead, -(-S // 2), 2, D), (*buffer.stride()[:-2], 2 * D, 1, 2))
+
+
+def read_values(buffer: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Values [start, end) of a paired buffer (..., S, D), plainly laid out (..., end - start, D): a copy."""
+    first, last = start // 2, -(-end // 2)
+    plain = pairs(buffer)[..., first:last, :, :].reshape(*buffer.shape[:-2], 2 * (last - first), buffer.shape[-1])
+    return plain[..., start - 2 * first:end - 2 * first, :]
+
+
+def write_values(buffer: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Values (..., n, D), plainly laid out, into a paired buffer (..., S, D) at `slots` (n,)."""
+    pairs(buffer)[..., slots // 2, slots % 2, :] = values.to(buffer.dtype)
+
+
+def gather_values(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Values of a paired layer (H, S, D) at token positions `index` (H, n), chosen per head -> (H, n, D)."""
+    heads = torch.arange(index.shape[0], device=index.device)[:, None]
+    return pairs(buffer)[heads, index // 2, index % 2]

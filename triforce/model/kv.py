@@ -31,7 +31,7 @@ class KVShape:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    tiled_keys: bool = False  # a full cache stores its keys in tiles (model/key_tiles.py)
+    tiled_keys: bool = False  # a full cache stores its keys in tiles, its values in pairs (model/key_tiles.py)
 
     def buffer(self, slots: int) -> torch.Tensor:
         return torch.zeros(self.num_layers, self.num_kv_heads, slots, self.head_dim,

@@ -65,7 +65,7 @@ class StaticView:
         self.key_slots = torch.arange(cache.capacity, device=device)
         # each layer's K/V as its own tensor (views of the cache's buffers, made once, outside any graph)
         self.layer_k, self.layer_v = list(cache.k.unbind(0)), list(cache.v.unbind(0))
-        self.tiled = cache.tiled  # a full cache's keys in tiles (model/key_tiles.py)
+        self.tiled = cache.tiled  # a full cache's keys in tiles, values in pairs (model/key_tiles.py)
         # additive (0 or -inf) in the attention's dtype, so no layer converts it either
         self.mask = aligned_mask(T, cache.capacity, cache.k.dtype, device)
         self.limits = torch.zeros(T, dtype=torch.long, device=device)  # the mask as counts: slots + 1
@@ -90,9 +90,10 @@ class StaticView:
         keys, values = self.layer_k[layer], self.layer_v[layer]  # (Hkv, capacity, D)
         if self.tiled:
             key_tiles.write(keys, self.slots, k.transpose(0, 1))
+            key_tiles.write_values(values, self.slots, v.transpose(0, 1))
         else:
             keys.index_copy_(1, self.slots, k.transpose(0, 1).to(keys.dtype))  # a 16-bit cache under float32 compute
-        values.index_copy_(1, self.slots, v.transpose(0, 1).to(values.dtype))
+            values.index_copy_(1, self.slots, v.transpose(0, 1).to(values.dtype))
         if not q.is_cuda:  # torch's CPU SDPA with a mask is 20x the grouped products at one query
             # the cache as it is: the CPU kernels read 16-bit keys themselves, and attend_masked widens
             # only where none serves. Widening here wrote a float32 copy of every layer each pass
