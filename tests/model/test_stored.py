@@ -549,3 +549,18 @@ def test_a_stored_drafter_stays_the_drafter_under_int8_proposers(tiny_gguf):
     models = with_lower_weights(Models(target, drafter), "int8")
     assert models.drafter is drafter
     assert models.proposing_target is not None and models.proposing_target is not target  # the dense one's twin
+
+
+@pytest.mark.skipif(not stored_bf16.available(), reason="no avx512_bf16 or no C++ compiler: bf16 takes the int4 kernel")
+def test_bfloat16_auto_takes_the_block_kernels_without_timing(monkeypatch):
+    """`--weights auto` in bfloat16 is stored wherever stored_bf16's kernels build: no timing of the
+    int4 kernel (not the route bf16 rows take), which a core busy with another job flipped 1 run in 3,
+    and with it the weights' arithmetic and a greedy run's text."""
+    from triforce.model import gguf_loader
+
+    monkeypatch.setattr(gguf_loader, "_int4_kernels_available", lambda: pytest.fail("timed the int4 route"))
+    gguf_loader.stored_kernel_pays.cache_clear()
+    try:
+        assert gguf_loader.stored_kernel_pays(torch.bfloat16) is True
+    finally:
+        gguf_loader.stored_kernel_pays.cache_clear()

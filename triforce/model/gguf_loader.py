@@ -19,7 +19,7 @@ from torch import nn
 from .config import ModelConfig
 from .errors import UserError
 from .gguf_blocks import BLOCK, FORMS, STORED_TYPES, Blocks, GgufCheckpoint
-from . import stored_avx2, stored_cache, stored_f32
+from . import stored_avx2, stored_bf16, stored_cache, stored_f32
 from .rope import Rotary
 from .stored import ByteCodesLinear, PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
 from .transformer import Linear, Transformer
@@ -64,13 +64,19 @@ def stored_kernel_pays(dtype: torch.dtype) -> bool:
     """True when the stored weights' product beats a dense matmul for one row in `dtype` on this CPU,
     timed on a matrix larger than the last-level cache (both read from memory, as a decode step
     does): torch's packed int4 kernel for bfloat16/float16, the compiled product (stored_f32) for
-    float32, the route PackedLinear takes in that dtype. Float32 through stored_avx2's kernels pays
-    wherever they build."""
+    float32, the route PackedLinear takes in that dtype. Float32 through stored_avx2's kernels and
+    bfloat16 through stored_bf16's pay wherever they build, untimed."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     if dtype == torch.float32 and stored_avx2.available():
         # not timed: it reads a fifth of dense float32's bytes and ran 5.6x its speed (bench.f32_routes),
         # where a timing on a machine busy with other jobs came out either way
+        return True
+    if dtype == torch.bfloat16 and stored_bf16.available():
+        # not timed either: bf16 rows take stored_bf16's block kernels (AMX tiles where the CPU has them),
+        # not the int4 kernel timed below, and read about a third of dense bf16's bytes. Timed, a core
+        # busy with another job flipped the answer (1 run in 3), and with it the weights' arithmetic:
+        # the same greedy command wrote another text and ran at half the speed
         return True
     if not _int4_kernels_available() or (dtype == torch.float32 and not stored_f32.available()):
         return False
