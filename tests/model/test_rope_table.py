@@ -48,3 +48,16 @@ def test_shift_back_and_forth_is_the_rotation_of_its_angle():
         cos, sin = torch.from_numpy(cos).double(), torch.from_numpy(sin).double() * (1 if delta > 0 else -1)
         want = apply_rotary(x, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         assert torch.equal(rotary.shift(x, delta), want)
+
+
+def test_a_runs_table_covers_the_proposals_past_its_length():
+    """A run's table reaches HEADROOM positions past its length, where the levels propose: a table
+    that grew mid-run handed a compiled pass (made over the old one) a tensor of another shape."""
+    from triforce.model.rope import HEADROOM
+
+    rotary = Rotary(config(), 1032)
+    table = rotary._table(torch.device("cpu"))[0]
+    rotary.cos_sin(torch.arange(1032, 1032 + HEADROOM), torch.float32)
+    assert rotary.length == 1032 + HEADROOM and rotary._table(torch.device("cpu"))[0] is table
+    rotary.cos_sin(torch.tensor([1032 + HEADROOM]), torch.float32)  # past it: the table grows
+    assert rotary.length > 1032 + HEADROOM and rotary._table(torch.device("cpu"))[0] is not table

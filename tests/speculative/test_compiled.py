@@ -103,20 +103,28 @@ def test_a_compiled_pass_writes_its_slots_in_place(tmp_path):
     assert cache.length == 60 + HOT_AFTER
 
 
-def test_a_width_is_compiled_only_once_it_recurs(tmp_path):
-    """A level catching up on tokens it did not see feeds widths that may never recur: they run
-    eagerly; a width called HOT_AFTER times is compiled once (and that call is not a cost sample),
-    and every pass gives the eager model's logits (within float32-level rounding)."""
+def compiled_beside_eager(tmp_path, seed: int):
+    """A tiny float64 model, two full caches holding the same 40 tokens, and the model compiled."""
     from triforce.speculative.caches import FullCache
-    from triforce.speculative.graphs import HOT_AFTER, GraphedModel
+    from triforce.speculative.graphs import GraphedModel
 
-    save_tiny(tmp_path, seed=2, vocab=64, layers=2, hidden=32, heads=2, kv_heads=1, inter=48)
+    save_tiny(tmp_path, seed=seed, vocab=64, layers=2, hidden=32, heads=2, kv_heads=1, inter=48)
     model = load_model(tmp_path, torch.float64)
     cache, reference = (FullCache(model.kv_shape(), 200, prefill_chunk=64) for _ in range(2))
     for c in (cache, reference):
         model(torch.arange(40) + 3, c)
     compiled = GraphedModel(model, eager_static=True, compiled=True)
     torch._dynamo.reset()
+    return model, cache, reference, compiled
+
+
+def test_a_width_is_compiled_only_once_it_recurs(tmp_path):
+    """A level catching up on tokens it did not see feeds widths that may never recur: they run
+    eagerly; a width called HOT_AFTER times is compiled once (and that call is not a cost sample),
+    and every pass gives the eager model's logits (within float32-level rounding)."""
+    from triforce.speculative.graphs import HOT_AFTER
+
+    model, cache, reference, compiled = compiled_beside_eager(tmp_path, seed=2)
     widths = [7, 5] + [1] * (HOT_AFTER + 2)
     for i, T in enumerate(widths):
         tokens = (torch.arange(T) * 3 + i) % 60 + 3
@@ -196,3 +204,20 @@ def test_a_static_view_hands_the_cpu_kernels_the_16_bit_cache(tmp_path, monkeypa
     tokens = torch.tensor([9])
     torch.testing.assert_close(static(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-5)
     assert seen == [(torch.float16, torch.float16)] * 2  # each layer, as the cache holds it
+
+
+def test_a_compiled_pass_is_made_again_when_the_rope_table_grows(tmp_path):
+    """A CPU RoPE table grows when a position falls past it (rope.py); a pass compiled over the old
+    table was handed the new one, of another shape, and failed inductor's size check (a sampled
+    adaptive run with compiled passes: session 33). The pass is compiled again, and gives the eager
+    model's logits."""
+    from triforce.speculative.graphs import HOT_AFTER
+
+    model, cache, reference, compiled = compiled_beside_eager(tmp_path, seed=3)
+    for i in range(HOT_AFTER + 3):
+        if i == HOT_AFTER + 1:  # as a position past the table does
+            model.rotary.length *= 2
+            model.rotary._tables.clear()
+        tokens = torch.tensor([(i * 7) % 60 + 3])
+        torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
+    assert compiled.captures == 2

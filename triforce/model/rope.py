@@ -77,6 +77,12 @@ def rope_frequencies(cfg: ModelConfig, max_len: int | None = None) -> tuple[torc
     raise UserError(f"unsupported RoPE scaling '{kind}': use linear, dynamic, yarn or llama3")
 
 
+# positions a run's table covers past its length: proposals of the middle level and lookups run a
+# few tokens past the last one a run keeps (a sampled adaptive run with compiled passes at 1,032
+# tokens reached past them, grew the table and handed a compiled pass the new one: session 33)
+HEADROOM = 256
+
+
 class Rotary:
     """cos/sin for positions, read from a table of every position's values, built once per device
     from numpy's float64 cos and sin of the float32 angles, rounded to float32.
@@ -92,13 +98,15 @@ class Rotary:
         # torch's refs would compute them, which import torch._dynamo (a second of every run's start)
         with torch.device("cpu"):
             self.inv_freq, self.scale = rope_frequencies(cfg, max_len)
-        # the positions a table covers: the run's length, else the checkpoint's; a CPU table grows
-        # when a position falls past it (no device reads a position back to find out)
-        self.length = max(max_len or cfg.max_position_embeddings, 1)
+        # the positions a table covers: the run's length and HEADROOM (the levels propose past the
+        # last token the run keeps), else the checkpoint's; a CPU table grows when a position falls
+        # past it (no device reads a position back to find out), and a compiled pass made over the
+        # old table is made again (speculative/graphs.py reads `length`)
+        self.length = max_len + HEADROOM if max_len else max(cfg.max_position_embeddings, 1)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         if max_len:  # built now, so that a compiled pass (which cannot build one) finds it
             with torch.device("cpu"):
-                self._tables[torch.device("cpu")] = self._build(max_len)
+                self._tables[torch.device("cpu")] = self._build(self.length)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each (T, D), for `apply_rotary`."""

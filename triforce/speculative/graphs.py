@@ -112,6 +112,7 @@ class _Captured:
     logits: torch.Tensor | None = None
     graph: object = None
     forward: object = None  # the pass over the view: the model's, or its compiled graph
+    positions: int = 0  # the RoPE table's length the compiled graph read (a table that grew is another input)
 
 
 class GraphedModel:
@@ -183,8 +184,9 @@ class GraphedModel:
         forward (compiled or eager). Device rounds (rounds.py) call this with their own views."""
         key = (id(view), last_only)
         c = self.captured.get(key)
-        if c is None:
-            c = self.captured[key] = _Captured(view, torch.zeros_like(tokens))
+        table = getattr(getattr(self.model, "rotary", None), "length", 0)
+        if c is None or (c.positions != table and not tokens.is_cuda):  # a CPU table grew: compile anew
+            c = self.captured[key] = _Captured(view, torch.zeros_like(tokens), positions=table)
             c.forward = self._forward(view, last_only)
             if self.compiled and not (tokens.is_cuda and not self.eager_static):
                 self.captures += 1  # this call compiles: not a sample of the pass's cost
