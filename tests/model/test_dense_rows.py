@@ -3,7 +3,6 @@
 decode step does with dense weights too (Q6_K matrices, which stay dense, and unquantized checkpoints)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from triforce.model.transformer import dense_product
 
