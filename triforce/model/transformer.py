@@ -12,10 +12,12 @@ from torch import nn
 
 from functools import partial
 
-from . import cpu_pool, eager_steps, key_tiles, layer_ops
+from . import cpu_pool, eager_steps, first_calls, key_tiles, layer_ops
 from .kv import KVShape
 from .config import ModelConfig
 from .rope import Rotary, apply_rotary
+
+first_calls.warm_vml()  # before any threaded op: MKL's first-call race (first_calls.py)
 
 
 # bench/op_forms.py times both forms on a GPU side by side (a 16-bit model's norm rounds once on CUDA,
