@@ -41,7 +41,8 @@ def test_the_plan_covers_the_figures():
     assert "--temperature 0.8" in " ".join(plan["compiled kv host sampled"])
     # the missing figures first: host greedy (our drafter, then drafts looked up: the triforce target's
     # best chance), then the resident cache against transformers' static one
-    assert [n for n in plan][3:7] == ["kv host greedy", "lookup kv host greedy", "kv gpu greedy", "compiled kv host greedy"]
+    assert [n for n in plan][3:9] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
+                                   "kv gpu greedy", "compiled kv host greedy"]
     for name, flags in (("lookup kv host greedy", "--accept-ties"), ("lookup kv host sampled", "--temperature 0.8")):
         line = " ".join(plan[name])
         assert "--draft lookup" in line and "--contexts 32768 --offload host" in line and flags in line
