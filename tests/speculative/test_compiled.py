@@ -221,3 +221,22 @@ def test_a_compiled_pass_is_made_again_when_the_rope_table_grows(tmp_path):
         tokens = torch.tensor([(i * 7) % 60 + 3])
         torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
     assert compiled.captures == 2
+
+
+def test_compiled_passes_over_a_generator_with_graphs_already_on(tiny):
+    """On CUDA a bench's compiled system is built as generate.py builds it (CUDA graphs on), then
+    compiled: the first H200 run wrapped a wrapper, whose inner pass made a view of a view
+    ("'StaticView' object has no attribute 'k'"). Here the same order, graphs on (eager_static, as
+    on CPU) then compiled: each level wraps its model once and decodes the eager tokens."""
+    from triforce.speculative.graphs import GraphedModel, enable_cuda_graphs
+
+    ids = [3 + (i * 7) % 60 for i in range(300)]
+    cfg = GenerationConfig(max_new_tokens=12, budget=64, chunk_size=8, gamma1=2, gamma2=3)
+    eager = Generator(tiny, cfg, "retrieval", max_len=400)
+    eager.prefill(ids)
+    gen = Generator(tiny, cfg, "retrieval", max_len=400)
+    enable_cuda_graphs(gen, eager_static=True)
+    wrappers = enable_compiled_passes(gen)
+    assert all(w.compiled and not isinstance(w.model, GraphedModel) for w in wrappers)
+    gen.prefill(ids)
+    assert gen.generate() == eager.generate() and gen.middle.model.replays > 0

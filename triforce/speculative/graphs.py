@@ -275,7 +275,10 @@ def enable_compiled_passes(generator, options: dict | None = None) -> list[Graph
 
 def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = False,
                        options: dict | None = None) -> list[GraphedModel]:
-    """Wrap the models of the levels with a resident cache; returns the wrappers (their `replays` count)."""
+    """Wrap the models of the levels with a resident cache; returns the wrappers (their `replays` count).
+    A level already wrapped is wrapped anew around its model: on CUDA a bench's compiled system gets a
+    generator with CUDA graphs on, and a wrapper around a wrapper built a view of a view (the first
+    compiled run on an H200, session 35)."""
     wrapped = []
     full = generator.full if isinstance(generator.full.cache, (FullCache, OffloadedCache)) else None
     for level in (generator.drafter, generator.middle, full):
@@ -283,7 +286,8 @@ def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = F
             # the full level graphs its verification passes only: a chat turn of a few tokens is
             # prefill, and one capture per turn length would hold as many copies of the graph
             limit = generator.max_width + 1 if level is full else MAX_GRAPH_TOKENS
-            level.model = GraphedModel(level.model, eager_static=eager_static, max_tokens=limit, compiled=compiled,
+            model = level.model.model if isinstance(level.model, GraphedModel) else level.model
+            level.model = GraphedModel(model, eager_static=eager_static, max_tokens=limit, compiled=compiled,
                                        options=options)
             wrapped.append(level.model)
     from .rounds import DeviceRoundProposer, RoundGraph  # rounds builds on this module's views
