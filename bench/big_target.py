@@ -211,13 +211,20 @@ def main(argv=None) -> int:
     # rehearsed, triforce's rounds run on the device as a GPU runs them (one graph a round, timed whole)
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, budget=budget, chunk_size=args.chunk_size,
                            gamma1=args.gamma1, gamma2=args.gamma2, device_rounds=True)
+    print(f"[big_target] {target_shape.name} + {drafter_shape.name} built; prefilling {context} tokens",
+          file=sys.stderr, flush=True)
     prefilled = prefill(models, cfg, context, max_len, args.offload == "host", cuda)
     print(f"[big_target] {target_shape.name} + {drafter_shape.name}, {context} tokens prefilled in "
           f"{prefilled.prefill_seconds:.1f} s", file=sys.stderr, flush=True)
     meter = Chooser(MODES, args.gamma1, args.gamma2, device_rounds=cfg.rounds_on_device(device))
     runs, seen = {}, {}
     for mode in MODES:
+        # each step named before it starts and each mode's figures written as they come: the first
+        # H200 run died of a CUDA assert 90 s in, and nothing said in which mode
+        print(f"[big_target] {mode}: a warm-up, then a timed run", file=sys.stderr, flush=True)
         runs[mode], seen[mode] = run_mode(models, cfg, mode, prefilled, max_len, meter, cuda)
+        if args.out:
+            write_json(args.out, {"partial": "modes measured so far", "runs": runs})
         gc.collect()  # the last mode's caches and graphs (4 GiB of retrieval cache at 7B) go before the next
         print(f"[big_target] {mode}: {runs[mode]['ms_per_token']:.1f} ms/token (random weights)", file=sys.stderr, flush=True)
     link = raw_h2d(2**30, device) if cuda else None
@@ -241,9 +248,13 @@ def main(argv=None) -> int:
                "seconds": time.perf_counter() - started}
     print_tables(figures)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(figures, indent=1))
+        write_json(args.out, figures)
     return 0
+
+
+def write_json(path: str, figures: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(figures, indent=1))
 
 
 def print_tables(figures: dict) -> None:

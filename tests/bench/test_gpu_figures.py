@@ -136,3 +136,20 @@ def test_a_staged_book_reaches_every_bench_step():
     benches = [argv for _, argv in plan if argv[0] == "bench.bench"]
     assert len(benches) == 10 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
     assert not any("--prompt-file" in argv for _, argv in gpu_figures.steps("m", 64))
+
+
+def test_a_failed_step_keeps_its_error_and_folds_repeated_warnings():
+    """The first H200 run of bench.big_target died of a CUDA assert whose message was lost: the JSON
+    kept only the last 8,000 characters, all teardown warnings differing by their timestamps."""
+    from bench.gpu_figures import kept_output
+
+    warning = "[W1127 07:24:33.{:09d} CUDAEvent.h:57] Warning: CUDA warning: device-side assert triggered"
+    text = "\n".join(["[big_target] autoregressive: 310.2 ms/token", "error: CUDA error: device-side assert triggered",
+                      *(warning.format(i) for i in range(3000)), "frame #40: _start + 0x25"])
+    kept = kept_output(text, failed=True)
+    assert "error: CUDA error" in kept and "[big_target] autoregressive" in kept and "frame #40" in kept
+    assert "2999 more times" in kept and len(kept) < 1000
+    long = "\n".join(f"line {i}" for i in range(5000))
+    kept = kept_output(long, failed=True)
+    assert kept.startswith("line 0\n") and kept.endswith("line 4999") and "[...]" in kept
+    assert kept_output(long, failed=False) == long[-2000:]

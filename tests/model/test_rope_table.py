@@ -61,3 +61,41 @@ def test_a_runs_table_covers_the_proposals_past_its_length():
     assert rotary.length == 1032 + HEADROOM and rotary._table(torch.device("cpu"))[0] is table
     rotary.cos_sin(torch.tensor([1032 + HEADROOM]), torch.float32)  # past it: the table grows
     assert rotary.length > 1032 + HEADROOM and rotary._table(torch.device("cpu"))[0] is not table
+
+
+def test_cover_grows_the_table_up_front_and_keeps_what_a_graph_may_read():
+    rotary = Rotary(config(), 300)
+    rotary.cos_sin(torch.arange(4), torch.float32)  # a table on the CPU, as a first pass makes it
+    old = rotary._tables[torch.device("cpu")]
+    rotary.cover(100)  # already covered: nothing changes
+    assert rotary._tables[torch.device("cpu")] is old
+    rotary.cover(5000)
+    assert rotary.length == 5000 and rotary._tables[torch.device("cpu")][0].shape[0] == 5000
+    assert any(t is old for t in rotary._retired)  # a captured graph's table stays alive
+    want_cos, want_sin = reference(rotary, torch.arange(4999, 5000))
+    cos, sin = rotary.cos_sin(torch.tensor([4999]), torch.float32)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin) and rotary.length == 5000
+
+
+@pytest.mark.parametrize("mode", ["retrieval", "triforce"])
+def test_a_generator_covers_every_position_it_can_reach_before_any_pass(mode):
+    """On CUDA a position past the table is a device-side assert (the CPU table grows on IndexError,
+    so CPU runs never showed it): bench.big_target's model was built without headroom and triforce's
+    widest verification (gamma2 rounds of gamma1 + 1) ran past its end on the H200. The generator
+    covers its whole sequence when it is built, so no pass grows the table."""
+    from triforce.speculative import GenerationConfig, Generator, Models
+    from triforce.model.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=340)
+    torch.manual_seed(0)
+    target, drafter = Transformer(cfg).eval(), Transformer(cfg).eval()  # no max_len: tables end at 340
+    gen_cfg = GenerationConfig(max_new_tokens=24, budget=64, chunk_size=8, gamma1=3, gamma2=8, adaptive=False)
+    gen = Generator(Models(target, drafter), gen_cfg, mode, max_len=340)
+    used = [target, drafter] if mode == "triforce" else [target]  # retrieval runs no drafter
+    covered = [m.rotary.length for m in used]
+    assert min(covered) >= gen.seq.ids.shape[0] > 340
+    gen.prefill([3 + (i * 7) % 60 for i in range(300)])
+    with torch.no_grad():
+        gen.generate()
+    assert [m.rotary.length for m in used] == covered  # no pass went past a table

@@ -104,6 +104,7 @@ class Rotary:
         # old table is made again (speculative/graphs.py reads `length`)
         self.length = max_len + HEADROOM if max_len else max(cfg.max_position_embeddings, 1)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown tables a graph may still read
         if max_len:  # built now, so that a compiled pass (which cannot build one) finds it
             with torch.device("cpu"):
                 self._tables[torch.device("cpu")] = self._build(self.length)
@@ -124,6 +125,19 @@ class Rotary:
                 self._tables.clear()
                 cos, sin = (t.index_select(0, positions) for t in self._table(positions.device))
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+    def cover(self, positions: int) -> None:
+        """Make the tables cover positions [0, positions) before any pass needs them. A device's table
+        cannot grow inside a pass: on CUDA a position past it is a device-side assert, not the
+        IndexError a CPU table grows on (the first H200 run of bench.big_target: a model built
+        without headroom, and triforce's 81-token verification past its end). Tables made before
+        are kept, not freed: a CUDA graph captured over one reads its address, and a position it
+        covered has the same values in the larger table."""
+        if positions <= self.length:
+            return
+        self.length = positions
+        self._retired.extend(self._tables.values())
+        self._tables = {torch.device("cpu"): self._build(self.length)}
 
     def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tables:

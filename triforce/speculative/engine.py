@@ -96,6 +96,9 @@ class Generator:
         self.clock = PassClock(self.device)
         # room past max_len: a round may propose (and the middle level overshoot) past the last token kept
         self.seq = Sequence(max_len + 2 * sizes.margin, self.device)
+        for model in (target, proposing, drafter):  # every position of the sequence has its RoPE values before any pass
+            if getattr(model, "rotary", None) is not None:
+                model.rotary.cover(self.seq.ids.shape[0])
         self.full = Level("verify", target, full_cache, self.stats, self.clock)
         self.middle = self.drafter = self.rebuilds = None
         if sizes.budget is not None:
