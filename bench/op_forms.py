@@ -10,7 +10,9 @@ attention which fused kernels take each form:
   `grouped flag` (SDPA's enable_gqa with the mask, the form before) against `shared heads` (each KV
   head's query heads reading it through a zero-stride view, model/attention.attend_shared_heads):
   grouped heads with a mask can send SDPA to its math backend, which writes the keys out per
-  query head and the scores in float32;
+  query head and the scores in float32; beside them `split us`, the keys in pieces of 512 merged by
+  their log-sum-exps (model/split_keys.py, what the engine runs for a verification pass over 2,048
+  keys or more on CUDA since session 35);
 - attention, a later prefill piece (T queries, the last T of S keys, causal): a boolean (T, S) mask
   with the flag against shared heads under torch's lower-right causal bias, no mask;
 - RMSNorm (T rows, 16-bit): float32 statistics then the model dtype then the weight (4 kernels,
@@ -34,6 +36,7 @@ from torch.nn.attention.bias import causal_lower_right
 from triforce.cli.common import run_cli
 from triforce.model.attention import aligned_mask, attend_grouped_flag, shared_heads_sdpa
 from triforce.model.errors import UserError
+from triforce.model.split_keys import split_keys_attention
 
 DECODE = [(1, 4096), (7, 4096), (1, 32768), (7, 32768)]
 PREFILL = [(2048, 32768)]
@@ -112,8 +115,21 @@ def attention_row(kind: str, T: int, S: int, heads: tuple[int, int], D: int, dty
            "kernels_before": kernels_that_take(q, keys, values, mask_before, grouped=True),  # none on CPU
            "kernels_ours": kernels_that_take(q, keys, values, mask_ours, grouped=False)}
     # the form itself, not attention.attend_shared_heads, which would fall back were it refused
-    return side_by_side(row, lambda: attend_grouped_flag(q, keys, values, mask_before),
-                        lambda: shared_heads_sdpa(q, keys, values, mask_ours), repeats, device)
+    row = side_by_side(row, lambda: attend_grouped_flag(q, keys, values, mask_before),
+                       lambda: shared_heads_sdpa(q, keys, values, mask_ours), repeats, device)
+    if kind == "decode" and "ours_refused" not in row:  # the keys in pieces (model/split_keys.py) beside both
+        row.update(split_row(lambda: attend_grouped_flag(q, keys, values, mask),
+                             lambda: split_keys_attention(q, keys, values, mask), repeats, device))
+    return row
+
+
+def split_row(before, split, repeats: int, device) -> dict:
+    """The split-keys form's time and its largest difference from the form before (or why it failed)."""
+    try:
+        difference = (before().float() - split().float()).abs().max().item()
+    except RuntimeError as e:
+        return {"split_refused": str(e).splitlines()[0]}
+    return {"us_split": 1e6 * seconds_per_call(split, repeats, device), "max_difference_split": difference}
 
 
 def norm_row(T: int, hidden: int, dtype, device, repeats: int) -> dict:
@@ -149,7 +165,8 @@ def main(argv=None) -> int:
             for kind, shapes in (("decode", SMALL_DECODE if small else DECODE), ("prefill", SMALL_PREFILL if small else PREFILL))
             for T, S in shapes]
     rows += [norm_row(T, args.hidden, dtype, device, repeats) for T in NORM_ROWS]
-    print(f"{'op':18} {'T':>5} {'S':>6}  {'before us':>10}  {'ours us':>8}  {'speedup':>7}  fused kernels (before / ours)")
+    print(f"{'op':18} {'T':>5} {'S':>6}  {'before us':>10}  {'ours us':>8}  {'speedup':>7}  {'split us':>8}  "
+          "fused kernels (before / ours)")
     for row in rows:
         where = f"{row['op']:18} {row['T']:>5} {row.get('S', '-'):>6}"
         if "ours_refused" in row:
@@ -157,7 +174,8 @@ def main(argv=None) -> int:
             continue
         takes = lambda d: ",".join(k for k, v in d.items() if v) or "math"  # noqa: E731
         fused = f"{takes(row['kernels_before'])} / {takes(row['kernels_ours'])}" if "kernels_ours" in row and not small else "-"
-        print(f"{where}  {row['us_before']:>10.1f}  {row['us_ours']:>8.1f}  {row['speedup']:>6.2f}x  {fused}")
+        split = f"{row['us_split']:>8.1f}" if "us_split" in row else f"{'-' if 'split_refused' not in row else 'failed':>8}"
+        print(f"{where}  {row['us_before']:>10.1f}  {row['us_ours']:>8.1f}  {row['speedup']:>6.2f}x  {split}  {fused}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

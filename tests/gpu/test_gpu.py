@@ -290,3 +290,44 @@ def test_a_16_bit_norm_is_one_kernel_within_a_rounding_of_transformers_form():
     theirs = norm.weight * torch.nn.functional.rms_norm(x.float(), (576,), eps=1e-5).to(torch.bfloat16)
     ulp = torch.finfo(torch.bfloat16).eps * theirs.float().abs().clamp(min=1e-3)
     assert ((ours.float() - theirs.float()).abs() <= ulp * 1.01).all()
+
+
+@cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("T,S,end", [(7, 32768, 20000), (7, 4096, 4096), (17, 33792, 32785), (2, 2500, 300)])
+def test_split_keys_on_cuda_is_sdpas_attention(dtype, tol, T, S, end):
+    """The CUDA kernel of the split-keys form (model/split_keys.py) over the offloaded slots' layout
+    (token-major, seen as (Hkv, S, D)), pieces past the end masked whole, eager and in a CUDA graph."""
+    from triforce.model import split_keys
+    from ..model.test_split_keys import reference, static_view_mask
+
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(T, 9, 64, generator=g).to("cuda", dtype)
+    keys, values = (torch.randn(S, 3, 64, generator=g).to("cuda", dtype).transpose(0, 1) for _ in "kv")
+    mask = static_view_mask(T, S, end, dtype).cuda()
+    got = split_keys.split_keys_attention(q, keys, values, mask)
+    torch.testing.assert_close(got.double().cpu(), reference(q.cpu(), keys.cpu(), values.cpu(), mask.cpu()),
+                               atol=tol, rtol=tol)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = split_keys.split_keys_attention(q, keys, values, mask)
+    graph.replay()
+    assert torch.equal(captured, got)
+    assert split_keys.serves(T, S, q) == (S >= split_keys.MIN_KEYS)
+
+
+@cuda
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_captured_passes_with_split_keys_give_the_eager_tokens(models, offloaded, monkeypatch):
+    """Every verification pass of the tiny run through the split-keys form (pieces of 32 keys from 64
+    keys on): float32 greedy tokens equal the eager run's (grouped matmuls, no pieces)."""
+    from triforce.model import split_keys
+
+    monkeypatch.setattr(split_keys, "MIN_KEYS", 64)
+    monkeypatch.setattr(split_keys, "PIECE", 32)
+    target, drafter = models
+    pair = Models(target, drafter)
+    factory = full_cache_factory("cuda", CFG.prefill_chunk, onchip_layers=0, chunk_tokens=7) if offloaded else None
+    eager, _, _ = run(pair, "triforce")
+    captured, gen, _ = run(pair, "triforce", factory, graphs="cuda")
+    assert captured == eager and gen.full.model.replays > 0

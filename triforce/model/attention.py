@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, decode_attention_f32, key_tiles, kv_dtype, layer_ops
+from . import decode_attention, decode_attention_f32, key_tiles, kv_dtype, layer_ops, split_keys
 
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
 # Which attention a bf16 prefill piece on CPU takes: True, decode_attention.prefill; False, torch's SDPA;
@@ -206,6 +206,15 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     call serves from then on, said once; a pass's first calls are eager, so this is settled before
     any graph is captured or compiled."""
     refused = (q.dtype, torch.is_tensor(mask))
+    if torch.is_tensor(mask) and split_keys.serves(q.shape[0], keys.shape[1], q) and q.dtype not in _SPLIT_REFUSED:
+        # a verification pass over a long cache: the keys in pieces, or 9 thread blocks walk 32K keys
+        try:
+            return split_keys.split_keys_attention(q, keys, values, mask)
+        except RuntimeError as e:
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            _SPLIT_REFUSED.add(q.dtype)
+            warnings.warn(f"attention: the split-keys form failed ({str(e).splitlines()[0]}); SDPA serves instead")
     if refused in _REFUSED:
         return attend_grouped_flag(q, keys, values, mask)
     if not q.is_cuda or torch.compiler.is_compiling():
@@ -222,6 +231,7 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 _REFUSED: set[tuple] = set()  # (dtype, a tensor mask?) whose shared-heads call a CUDA kernel refused
+_SPLIT_REFUSED: set[torch.dtype] = set()  # dtypes whose split-keys call failed on this CUDA build
 
 
 def shared_heads_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""Verification attention with the keys split into pieces (model/split_keys.py): the same attention,
+merged from each piece's log-sum-exp, as one pass over all keys. On CPU the pieces go through torch's
+CPU flash kernel (the form's arithmetic); tests/gpu checks the CUDA kernel's."""
+import pytest
+import torch
+
+from triforce.model import split_keys
+from triforce.model.attention import aligned_mask
+
+
+def reference(q, keys, values, mask):
+    T, Hq, D = q.shape
+    group = Hq // keys.shape[0]
+    k, v = keys.double().repeat_interleave(group, 0), values.double().repeat_interleave(group, 0)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / D ** 0.5 + mask.double()
+    return (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(T, Hq * D)
+
+
+def static_view_mask(T: int, S: int, end: int, dtype) -> torch.Tensor:
+    """The static views' mask: query t sees slots up to end - T + t; later slots (unused) are masked."""
+    mask = aligned_mask(T, S, dtype, "cpu")
+    slots = torch.arange(end - T, end)
+    return mask.masked_fill_(torch.arange(S)[None, :] > slots[:, None], float("-inf"))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("T,heads,S,end,piece", [
+    (7, (9, 3), 4096, 2500, 512),   # pieces past the end: every row masks them whole
+    (2, (4, 4), 1000, 1000, 128),   # a ragged last piece (1000 = 7 x 128 + 104)
+    (5, (8, 2), 3000, 40, 512),     # all but the first piece masked
+    (1, (9, 3), 2048, 2048, 256),
+])
+def test_split_keys_is_the_attention_over_all_keys(dtype, tol, T, heads, S, end, piece):
+    g = torch.Generator().manual_seed(T * S)
+    Hq, Hkv = heads
+    q = torch.randn(T, Hq, 64, generator=g).to(dtype)
+    keys, values = (torch.randn(Hkv, S, 64, generator=g).to(dtype) for _ in "kv")
+    mask = static_view_mask(T, S, end, dtype)
+    got = split_keys.split_keys_attention(q, keys, values, mask, piece=piece)
+    want = reference(q, keys, values, mask)
+    assert got.dtype == dtype and got.shape == (T, Hq * 64) and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_split_keys_serves_verification_over_long_caches_on_cuda_only():
+    q = torch.zeros(7, 9, 64)
+    assert not split_keys.serves(7, 32768, q)  # CPU: the engine's own kernels
+    if torch.cuda.is_available():
+        assert split_keys.serves(7, 32768, q.cuda()) and not split_keys.serves(1, 32768, q.cuda())
+        assert not split_keys.serves(7, split_keys.MIN_KEYS - 1, q.cuda())
