@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from triforce.cli.common import run_cli
-from triforce.model.attention import aligned_mask, attend_grouped_flag, shared_heads_sdpa
+from triforce.model.attention import aligned_mask, attend_grouped_flag, fused_kernels_taking, shared_heads_sdpa
 from triforce.model.errors import UserError
 from triforce.model.split_keys import split_keys_attention
 
@@ -42,23 +42,6 @@ DECODE = [(1, 4096), (7, 4096), (1, 32768), (7, 32768)]
 PREFILL = [(2048, 32768)]
 NORM_ROWS = [1, 7]
 SMALL_DECODE, SMALL_PREFILL = [(1, 256), (7, 256)], [(64, 256)]
-
-
-def kernels_that_take(q, keys, values, mask, grouped: bool) -> dict[str, bool]:
-    """Which fused SDPA kernels accept the call as the form makes it (on CPU: none of these CUDA kernels)."""
-    from torch.backends import cuda as backends
-    T, Hq, D = q.shape
-    Hkv, S, _ = keys.shape
-    if grouped:
-        args = (q.transpose(0, 1)[None], keys[None], values[None], mask, 0.0, False, True)
-    else:
-        g = Hq // Hkv
-        args = (q.unflatten(1, (Hkv, g)).permute(1, 2, 0, 3), keys[:, None].expand(Hkv, g, S, D),
-                values[:, None].expand(Hkv, g, S, D), mask if torch.is_tensor(mask) else None, 0.0, False, False)
-    params = backends.SDPAParams(*args)
-    return {name: bool(check(params)) for name, check in (
-        ("flash", backends.can_use_flash_attention), ("efficient", backends.can_use_efficient_attention),
-        ("cudnn", backends.can_use_cudnn_attention))}
 
 
 def seconds_per_call(fn, repeats: int, device: torch.device) -> float:
@@ -112,8 +95,8 @@ def attention_row(kind: str, T: int, S: int, heads: tuple[int, int], D: int, dty
     else:
         mask_before, mask_ours = visible, causal_lower_right(T, S)
     row = {"op": f"attention {kind}", "T": T, "S": S, "heads": list(heads), "head_dim": D,
-           "kernels_before": kernels_that_take(q, keys, values, mask_before, grouped=True),  # none on CPU
-           "kernels_ours": kernels_that_take(q, keys, values, mask_ours, grouped=False)}
+           "kernels_before": fused_kernels_taking(q, keys, values, mask_before, grouped=True),  # none on CPU
+           "kernels_ours": fused_kernels_taking(q, keys, values, mask_ours, grouped=False)}
     # the form itself, not attention.attend_shared_heads, which would fall back were it refused
     row = side_by_side(row, lambda: attend_grouped_flag(q, keys, values, mask_before),
                        lambda: shared_heads_sdpa(q, keys, values, mask_ours), repeats, device)

@@ -331,3 +331,25 @@ def test_captured_passes_with_split_keys_give_the_eager_tokens(models, offloaded
     eager, _, _ = run(pair, "triforce")
     captured, gen, _ = run(pair, "triforce", factory, graphs="cuda")
     assert captured == eager and gen.full.model.replays > 0
+
+
+@cuda
+@pytest.mark.parametrize("S", [4096, 32768])
+def test_one_query_takes_the_grouped_call_where_cudnn_does(S):
+    """A one-query step over a mask: the grouped-heads call where cuDNN takes it (faster than the
+    zero-stride view on the H200), else the view; the same attention either way, in a graph too."""
+    from ..model.test_split_keys import static_view_mask
+
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(1, 9, 64, generator=g).to("cuda", torch.bfloat16)
+    keys, values = (torch.randn(S, 3, 64, generator=g).to("cuda", torch.bfloat16).transpose(0, 1) for _ in "kv")
+    mask = static_view_mask(1, S, S - 100, torch.bfloat16).cuda()
+    got = attention.attend_shared_heads(q, keys, values, mask)
+    torch.testing.assert_close(got, attention.shared_heads_sdpa(q, keys, values, mask), atol=2e-2, rtol=2e-2)
+    takes = attention.fused_kernels_taking(q, keys, values, mask, grouped=True)["cudnn"]
+    assert attention.grouped_takes_cudnn(q, keys, values, mask) == takes
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention.attend_shared_heads(q, keys, values, mask)
+    graph.replay()
+    assert torch.equal(captured, got)

@@ -204,8 +204,15 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     counts match, nothing is copied, and the memory-efficient kernel takes the mask (bench/
     op_forms.py times both forms on a GPU). Should a CUDA kernel refuse the view, the grouped-heads
     call serves from then on, said once; a pass's first calls are eager, so this is settled before
-    any graph is captured or compiled."""
+    any graph is captured or compiled.
+
+    Two exceptions, from the H200's op forms (session 35): a verification pass of 2 or more queries
+    over 2,048 keys or more splits the keys into pieces (model/split_keys.py); and a one-query step
+    takes the grouped-heads call where cuDNN's kernel accepts it, which split the keys itself: 12.6
+    us a layer at 32K keys against 26.0 for the zero-stride view (6.5 against 8.1 at 4K)."""
     refused = (q.dtype, torch.is_tensor(mask))
+    if q.shape[0] == 1 and torch.is_tensor(mask) and grouped_takes_cudnn(q, keys, values, mask):
+        return attend_grouped_flag(q, keys, values, mask)
     if torch.is_tensor(mask) and split_keys.serves(q.shape[0], keys.shape[1], q) and q.dtype not in _SPLIT_REFUSED:
         # a verification pass over a long cache: the keys in pieces, or 9 thread blocks walk 32K keys
         try:
@@ -232,6 +239,44 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 _REFUSED: set[tuple] = set()  # (dtype, a tensor mask?) whose shared-heads call a CUDA kernel refused
 _SPLIT_REFUSED: set[torch.dtype] = set()  # dtypes whose split-keys call failed on this CUDA build
+
+
+def fused_kernels_taking(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask,
+                         grouped: bool) -> dict[str, bool]:
+    """Which of SDPA's fused CUDA kernels accept the call in the grouped-heads form or the shared-heads
+    view (on CPU: none of them)."""
+    from torch.backends import cuda as backends
+    T, Hq, D = q.shape
+    Hkv, S, _ = keys.shape
+    if grouped:
+        args = (q.transpose(0, 1)[None], keys[None], values[None], mask, 0.0, False, True)
+    else:
+        g = Hq // Hkv
+        args = (q.unflatten(1, (Hkv, g)).permute(1, 2, 0, 3), keys[:, None].expand(Hkv, g, S, D),
+                values[:, None].expand(Hkv, g, S, D), mask if torch.is_tensor(mask) else None, 0.0, False, False)
+    params = backends.SDPAParams(*args)
+    return {name: bool(check(params)) for name, check in (
+        ("flash", backends.can_use_flash_attention), ("efficient", backends.can_use_efficient_attention),
+        ("cudnn", backends.can_use_cudnn_attention))}
+
+
+_CUDNN_GROUPED: dict[tuple, bool] = {}  # (dtype, Hq, Hkv, D): whether cuDNN takes a one-query grouped call
+
+
+def grouped_takes_cudnn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> bool:
+    """Whether cuDNN's kernel takes this one-query call in the grouped-heads form; asked once per shape,
+    eagerly (a pass's first calls are), and never under a trace."""
+    if not q.is_cuda:
+        return False
+    key = (q.dtype, q.shape[1], keys.shape[0], q.shape[2])
+    if key not in _CUDNN_GROUPED:
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            _CUDNN_GROUPED[key] = fused_kernels_taking(q, keys, values, mask, grouped=True)["cudnn"]
+        except (RuntimeError, TypeError, AttributeError):  # a torch without these checks (SDPAParams' fields moved)
+            _CUDNN_GROUPED[key] = False
+    return _CUDNN_GROUPED[key]
 
 
 def shared_heads_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
