@@ -72,7 +72,9 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     # with the KV in host memory the adaptive rows are the steady state (--learned: each timed run goes
     # on from what the warm-up learned); 64 tokens of a fresh chooser are mostly its first tries
     host = [*bench, "--contexts", contexts, "--offload", "host", "--dtype", "bfloat16", "--learned"]
-    resident = [*bench, "--contexts", contexts, "--offload", "none", "--dtype", "bfloat16"]
+    # the adaptive rows in the steady state here too: a fresh run at 4K spent most of its 64 tokens
+    # capturing a graph for each width its first tries used (session 35: 0.20x plain decoding)
+    resident = [*bench, "--contexts", contexts, "--offload", "none", "--dtype", "bfloat16", "--learned"]
     # the adaptive default weighs lookups beside its drafter (session 26); beside it, the default without
     out.append(("kv host greedy", [*host, "--systems", OURS + ",adaptive-no-lookup,hf-offloaded", *greedy]))
     # SmolLM2 drafting for itself costs what its middle pass costs (~850 kernels each), so a

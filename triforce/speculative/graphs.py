@@ -209,8 +209,13 @@ class GraphedModel:
         return compile_static(forward, self.options) if self.compiled and view.compilable else forward
 
     def _capture(self, c: _Captured, last_only: bool) -> None:
+        # the first capture warms the model up `warmup` times (cuBLAS and cuDNN handles, workspaces);
+        # a later width needs one eager call, for its own kernels' plans. Each warm-up is an eager pass
+        # (about 25 ms of launches at SmolLM2's size, 46 ms offloaded at 32K on the H200), paid again
+        # for every new width: the adaptive default's first 64 tokens paid 5 captures (session 35)
+        warmup = self.warmup if self.captures == 0 else 1
         self.captures += 1
-        c.graph, c.logits = capture_graph(lambda: c.forward(c.tokens), [self.model], c.tokens.device, self.warmup)
+        c.graph, c.logits = capture_graph(lambda: c.forward(c.tokens), [self.model], c.tokens.device, warmup)
 
 
 # guards that stay: the process's state a graph was traced under (grad mode, default device, ...)
