@@ -1,5 +1,7 @@
 """The offloaded full cache: store/stream round trips, rollback, byte counters, planner, and greedy
 output identical to the resident cache for every engine (CPU: the "device" is the CPU)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -292,6 +294,27 @@ def test_static_view_computes_what_the_cache_does(pair):
     assert graphed.replays == 5 and isinstance(next(iter(graphed.captured.values())).view, StaticView)
 
 
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_a_padded_pass_hands_back_only_its_own_tokens(pair, offloaded):
+    """pad_widths: a pass of 3 runs at width 4 and a pass of 5 at 8, yet the logits, the queries the
+    retrieval level scores with and the cache's length are those of the real tokens (queries[-1] is
+    what a rebuild and a saved chat read), equal to an unpadded pass's."""
+    target, _ = pair
+    make = (lambda: full_cache_factory("cpu", 24)(target.kv_shape(), 64, 0)) if offloaded else \
+        (lambda: FullCache(target.kv_shape(), 64, 16))
+    plain, padded = make(), make()
+    eager, wide = GraphedModel(target, eager_static=True), GraphedModel(target, eager_static=True, pad_widths=True)
+    gen = torch.Generator().manual_seed(7)
+    for T in (9, 3, 5, 1):
+        ids = torch.randint(0, 48, (T,), generator=gen)
+        want, got = eager(ids, plain), wide(ids, padded)
+        # float64: wider GEMMs may round the last bits differently
+        assert got.shape == want.shape == (T, 48) and torch.allclose(got, want, rtol=0, atol=1e-12)
+        assert padded.length == plain.length and all(q.shape[0] == T for q in padded.queries)
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(padded.queries, plain.queries))
+    assert {key[1] for key in wide.views} == {16, 4, 8, 1}  # 9 -> 16, 3 -> 4, 5 -> 8
+
+
 @pytest.mark.parametrize("mode", ["autoregressive", "speculative", "retrieval", "triforce"])
 @pytest.mark.parametrize("offloaded,onchip", [(False, 0), (True, 0), (True, 1)])
 def test_graph_path_gives_the_same_tokens(pair, mode, offloaded, onchip, monkeypatch):
@@ -363,3 +386,44 @@ def test_a_prefill_streams_each_pieces_past_once(piece, onchip):
     offloaded = SHAPE.num_layers - onchip
     assert cache.counters.h2d == piece * n * (n - 1) // 2 * offloaded * token_bytes
     assert cache.counters.d2h == N * offloaded * token_bytes  # each new token written back once
+
+
+@pytest.mark.parametrize("mode,adaptive", [("speculative", False), ("retrieval", False), ("triforce", False),
+                                           ("triforce", True)])
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_padded_widths_give_the_same_tokens(pair, mode, adaptive, offloaded, monkeypatch):
+    """Captured on CUDA, a full pass runs at its width rounded up to graphs.WIDTHS, the positions past
+    it fed copies of the last token and dropped: one graph a bucket, not one a width. The same tokens,
+    acceptance and rebuilds as the caches' own path, only bucket widths captured, and (offloaded) the
+    store holding just the real tokens' K/V."""
+    from triforce.speculative.models import WIDTHS, padded_width
+
+    monkeypatch.setattr(graphed, "BUCKET", 16)
+    target, drafter = pair
+    models = Models(target, drafter if mode in ("speculative", "triforce") else None)
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(8)).tolist()
+    cfg = replace(CFG, adaptive=adaptive)
+    factory = full_cache_factory("cpu", CFG.prefill_chunk) if offloaded else None
+    ref, ref_gen, _ = run(models, mode, ids, cfg, factory)
+    gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens, full_cache_factory=factory)
+    enable_cuda_graphs(gen, eager_static=True)
+    assert not gen.full.model.pad_widths  # eager_static (CPU): off unless asked, as here
+    gen.full.model.pad_widths = True
+    gen.prefill(ids)
+    out = gen.generate()
+    assert out == ref
+    if not adaptive:  # the chooser's choices follow its timings
+        assert dict(gen.stats.accepted) == dict(ref_gen.stats.accepted) and gen.stats.rebuilds == ref_gen.stats.rebuilds
+        if gen.middle is not None:  # rebuilt from the real tokens' queries, not the padding's
+            assert torch.equal(gen.middle.cache.k, ref_gen.middle.cache.k)
+    # verifications (a resident view's key ends in last_only False; an offloaded view's in its span)
+    widths = {key[1] for key in gen.full.model.views if offloaded or key[2] is False}
+    assert max(widths) > 1 and (offloaded or widths <= set(WIDTHS))
+    if offloaded and not adaptive:  # the store holds what the unpadded run's does, up to the length
+        n = gen.full.cache.length
+        gen.full.cache.flush_fresh()  # the last graphed pass's K/V, still in pinned staging
+        assert n == ref_gen.full.cache.length
+        assert torch.equal(gen.full.cache.store.k[:, :n], ref_gen.full.cache.store.k[:, :n])
+        assert torch.equal(gen.full.cache.store.v[:, :n], ref_gen.full.cache.store.v[:, :n])
+    assert padded_width(5, room=100) == 8 and padded_width(5, room=6) == 5 and padded_width(1, room=1) == 1
+    assert padded_width(17, room=100) == 32 and padded_width(129, room=1000) == 129

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from triforce.model.attention import aligned_mask, attend_shared_heads
-from triforce.speculative.graphs import StaticView
+from triforce.speculative.graphs import StaticView, pad_tokens
 
 BUCKET = 1024  # tokens: a graph per bucket of lengths; an extra 64-256 KiB a layer at SmolLM2..Llama-2-7B
 
@@ -112,16 +112,19 @@ def graphed_pass(graphed, tokens: torch.Tensor, cache, last_only: bool) -> torch
     width and span: a replay on CUDA, the view's eager pass otherwise."""
     T = tokens.shape[0]
     start = cache.graph_begin(T)
-    span = cache.graph_span(start + T, BUCKET)
-    key = (id(cache), T, span)
+    # with pad_widths the pass runs at a bucket's width; the padded positions' K/V stay in the slots
+    # (never in the store) and their outputs are dropped
+    width = graphed.width(T, cache, cache.capacity - start, last_only)
+    span = cache.graph_span(start + width, BUCKET)
+    key = (id(cache), width, span)
     if key not in graphed.views:
         # a sequence grows into new buckets and rarely goes back more than one, while each view's
         # mask and each graph's memory would pile up (a 128K chat: ~128 buckets times every width)
         graphed.drop_views(lambda k, v: isinstance(v, OffloadedView) and k[0] == id(cache) and v.span < span - BUCKET)
-    view = graphed.view(key, lambda: OffloadedView(cache, T, span))
-    view.set(torch.arange(start, start + T, device=view.positions.device), start)
-    logits = graphed.run_view(view, tokens, last_only)
-    cache.queries = list(view.queries)
-    cache.graph_end(T, view.fresh_k, view.fresh_v)
-    return logits
+    view = graphed.view(key, lambda: OffloadedView(cache, width, span))
+    view.set(torch.arange(start, start + width, device=view.positions.device), start)
+    logits = graphed.run_view(view, pad_tokens(tokens, width), last_only)
+    cache.queries = [q[:T] for q in view.queries]
+    cache.graph_end(T, view.fresh_k[:, :T], view.fresh_v[:, :T])
+    return logits[:T]
 

@@ -39,6 +39,7 @@ from triforce.model.eager_steps import watched
 from triforce.offload.store import OffloadedCache
 
 from .caches import FullCache
+from .models import padded_width
 
 MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) run eagerly
 # Compiled (--compile), a pass width becomes a graph on its third call, eager until then: a level
@@ -46,6 +47,10 @@ MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) r
 # that may never recur, and compiling each (seconds) made `--compile` with a drafter 20x slower than
 # eager. CUDA graphs alone capture at once (milliseconds).
 HOT_AFTER = 3
+def pad_tokens(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """tokens followed by copies of the last, up to `width` (their outputs are dropped)."""
+    extra = width - tokens.shape[0]
+    return tokens if extra == 0 else torch.cat((tokens, tokens[-1:].expand(extra)))
 
 
 class StaticView:
@@ -120,8 +125,9 @@ class GraphedModel:
     static view eagerly on any device); everything else goes to the model unchanged."""
 
     def __init__(self, model, eager_static: bool = False, max_tokens: int = MAX_GRAPH_TOKENS, warmup: int = 2,
-                 compiled: bool = False, options: dict | None = None):
+                 compiled: bool = False, options: dict | None = None, pad_widths: bool = False):
         self.model, self.max_tokens, self.warmup = model, max_tokens, warmup
+        self.pad_widths = pad_widths  # a full cache's passes rounded up to WIDTHS (one graph a bucket)
         self.eager_static, self.compiled, self.options = eager_static, compiled, options
         self.captured: dict[tuple, _Captured] = {}
         self.views: dict[tuple, StaticView] = {}
@@ -152,19 +158,29 @@ class GraphedModel:
                 print(f"warning: the offloaded cache's passes run eagerly: capturing one failed ({self.offload_failure})",
                       file=sys.stderr)
                 return self.model(tokens, cache, last_only)
-        key = (id(cache), T, last_only)
+        width = self.width(T, cache, cache.capacity - cache.used, last_only)
+        key = (id(cache), width, last_only)
         if self.compiled and key not in self.views:  # compiling costs seconds; capturing, milliseconds
             self.calls[key] = self.calls.get(key, 0) + 1
             if self.calls[key] < HOT_AFTER:
                 return self.model(tokens, cache, last_only)
         positions = cache.begin(T)  # eager: may evict (StreamingLLM) before the slots are chosen
-        view = self.view(key, lambda: StaticView(cache, T))
+        if width > T:  # a full cache: the padded positions follow on, in slots no real query sees
+            positions = torch.cat((positions, positions[-1:] + torch.arange(1, width - T + 1, device=positions.device)))
+        view = self.view(key, lambda: StaticView(cache, width))
         view.set(positions, cache.used)
-        logits = self.run_view(view, tokens, last_only)
+        logits = self.run_view(view, pad_tokens(tokens, width), last_only)
         if view.queries is not None:
-            cache.queries = list(view.queries)
+            cache.queries = [q[:T] for q in view.queries]
         cache.end(T)
-        return logits
+        return logits[:T]
+
+    def width(self, T: int, cache, room: int, last_only: bool) -> int:
+        """The width a pass of T tokens runs at: T, or with pad_widths a full cache's verification
+        rounded up to WIDTHS (room: the free slots after the pass's first)."""
+        if not self.pad_widths or last_only or not isinstance(cache, (FullCache, OffloadedCache)):
+            return T
+        return padded_width(T, room)
 
     def view(self, key: tuple, make) -> StaticView:
         """The view kept under `key`, made by make() the first time."""
@@ -292,8 +308,9 @@ def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = F
             # prefill, and one capture per turn length would hold as many copies of the graph
             limit = generator.max_width + 1 if level is full else MAX_GRAPH_TOKENS
             model = level.model.model if isinstance(level.model, GraphedModel) else level.model
+            # captured, a full pass's widths in buckets: a graph per bucket, not per width
             level.model = GraphedModel(model, eager_static=eager_static, max_tokens=limit, compiled=compiled,
-                                       options=options)
+                                       options=options, pad_widths=level is full and not eager_static)
             wrapped.append(level.model)
     from .rounds import DeviceRoundProposer, RoundGraph  # rounds builds on this module's views
     for proposer, _ in generator.proposers.values():

@@ -63,6 +63,20 @@ class Models:
         return self.drafter if isinstance(self.drafter, LookupDrafter) else None
 
 
+# a full pass's width rounded up to one of these, the positions past it fed copies of the last token and
+# dropped: one captured graph serves a bucket of widths. Each new width costs a capture (an eager pass
+# or two, then the capture), and the adaptive default's first tokens verify many: on the H200 (session
+# 35) its fresh 64 tokens at 4K spent 400 of 600 ms in 17 full passes, where a captured one costs 3.6
+WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def padded_width(T: int, room: int) -> int:
+    """T rounded up to the next of WIDTHS where the cache has the room (`room` free slots from the
+    pass's first), else T."""
+    wide = next((w for w in WIDTHS if w >= T), T)
+    return wide if wide <= room else T
+
+
 @dataclass(frozen=True)
 class CacheSizes:
     """Slots of every cache a Generator allocates, decided here once. The offload planner reads
@@ -86,7 +100,9 @@ class CacheSizes:
         widest = cfg.gamma2 * (cfg.gamma1 + 1) if mode == "triforce" else max(cfg.gamma1, cfg.gamma2)
         widest = max(widest, cfg.lookup_gamma) if lookups else widest
         margin = max(cfg.gamma1 + cfg.gamma2, widest) + 2  # tokens one round can add beyond the committed ones
-        return cls(margin=margin, widest=widest, full=max_len + margin,
+        # room for the widest verification rounded up to a bucket (graphs.GraphedModel.pad_widths)
+        padding = padded_width(widest + 1, room=1 << 30) - (widest + 1)
+        return cls(margin=margin, widest=widest, full=max_len + margin + padding,
                    budget=cfg.budget if retrieves(mode) else None, scratch=margin + 1,
                    streaming_slack=max(64, margin + 4) if modes_draft(mode) and model_drafter else None,
                    sinks=cfg.sink_tokens, window=cfg.draft_window)
