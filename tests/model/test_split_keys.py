@@ -43,8 +43,28 @@ def test_split_keys_is_the_attention_over_all_keys(dtype, tol, T, heads, S, end,
 
 
 def test_split_keys_serves_verification_over_long_caches_on_cuda_only():
-    q = torch.zeros(7, 9, 64)
-    assert not split_keys.serves(7, 32768, q)  # CPU: the engine's own kernels
-    if torch.cuda.is_available():
-        assert split_keys.serves(7, 32768, q.cuda()) and not split_keys.serves(1, 32768, q.cuda())
-        assert not split_keys.serves(7, split_keys.MIN_KEYS - 1, q.cuda())
+    from types import SimpleNamespace
+
+    assert not split_keys.serves(7, 32768, torch.zeros(7, 9, 64))  # CPU: the engine's own kernels
+    on_cuda = SimpleNamespace(is_cuda=True)  # all serves() reads of the queries
+    assert split_keys.serves(7, 32768, on_cuda) and split_keys.serves(17, 2048, on_cuda)
+    assert not split_keys.serves(1, 32768, on_cuda)  # one query: cuDNN splits the keys itself
+    assert not split_keys.serves(7, split_keys.MIN_KEYS - 1, on_cuda)
+    assert not split_keys.serves(2048, 32768, on_cuda)  # a prefill piece: blocks enough already
+
+
+def test_a_prefill_pieces_causal_bias_never_takes_the_split_form(monkeypatch):
+    """CausalBias (a later prefill piece's mask) is a Tensor subclass: the split form, which copies a
+    dense mask, must not take it even where serves() would."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from triforce.model import attention
+
+    monkeypatch.setattr(split_keys, "serves", lambda T, S, q: True)
+    taken = []
+    monkeypatch.setattr(split_keys, "split_keys_attention", lambda *a, **k: taken.append(1))
+    q, keys = torch.randn(4, 4, 8), torch.randn(2, 16, 8)
+    out = attention.attend_shared_heads(q, keys, keys, causal_lower_right(4, 16))
+    assert not taken and out.shape == (4, 32)
+    attention.attend_shared_heads(q, keys, keys, torch.zeros(4, 16))
+    assert taken == [1]

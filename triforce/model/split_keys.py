@@ -20,6 +20,7 @@ import torch
 
 PIECE = 512  # keys a thread block walks: 64 pieces at 32K (192 blocks at 3 KV heads), 8 at 4K
 MIN_KEYS = 2048  # below, a layer's few blocks already finish in microseconds
+MAX_QUERIES = 128  # verification widths; a prefill piece's thousands of queries make blocks enough
 MASKED = 30000.0  # the bias of a key a query must not see: exp(-MASKED) is 0 in float32
 
 
@@ -36,7 +37,7 @@ def serves(T: int, S: int, q: torch.Tensor) -> bool:
     """Whether a call of T queries against S keys takes this form: verification passes over long
     caches on CUDA. One query stays with SDPA, whose cuDNN kernel splits the keys itself (13 us at
     32K on the H200)."""
-    return q.is_cuda and T > 1 and S >= MIN_KEYS
+    return q.is_cuda and 1 < T <= MAX_QUERIES and S >= MIN_KEYS
 
 
 def split_keys_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
