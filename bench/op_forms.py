@@ -11,7 +11,7 @@ attention which fused kernels take each form:
   head's query heads reading it through a zero-stride view, model/attention.attend_shared_heads):
   grouped heads with a mask can send SDPA to its math backend, which writes the keys out per
   query head and the scores in float32; beside them `split us`, the keys in pieces of 512 merged by
-  their log-sum-exps (model/split_keys.py, what the engine runs for a verification pass over 2,048
+  their log-sum-exps (model/split_keys.py, what the engine runs for a verification pass over 4,096
   keys or more on CUDA since session 35);
 - attention, a later prefill piece (T queries, the last T of S keys, causal): a boolean (T, S) mask
   with the flag against shared heads under torch's lower-right causal bias, no mask;

@@ -208,7 +208,7 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     any graph is captured or compiled.
 
     Two exceptions, from the H200's op forms (session 35): a verification pass of 2 or more queries
-    over 2,048 keys or more splits the keys into pieces (model/split_keys.py); and a one-query step
+    over 4,096 keys or more splits the keys into pieces (model/split_keys.py); and a one-query step
     takes the grouped-heads call where cuDNN's kernel accepts it, which split the keys itself: 12.6
     us a layer at 32K keys against 26.0 for the zero-stride view (6.5 against 8.1 at 4K)."""
     refused = (q.dtype, torch.is_tensor(mask))
