@@ -262,7 +262,7 @@ def fused_kernels_taking(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         ("cudnn", backends.can_use_cudnn_attention))}
 
 
-_CUDNN_GROUPED: dict[tuple, bool] = {}  # (dtype, Hq, Hkv, D): whether cuDNN takes a one-query grouped call
+_CUDNN_GROUPED: dict[tuple, bool] = {}  # (dtype, heads, D, layout, length's bits): whether cuDNN takes a one-query grouped call
 
 
 def grouped_takes_cudnn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> bool:
@@ -270,7 +270,9 @@ def grouped_takes_cudnn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     eagerly (a pass's first calls are), and never under a trace."""
     if not q.is_cuda:
         return False
-    key = (q.dtype, q.shape[1], keys.shape[0], q.shape[2])
+    # the layout (the full cache's head-major buffer, an offloaded slot's token-major one) and the
+    # length's power of two go in the key: a kernel's checks read strides and sizes
+    key = (q.dtype, q.shape[1], keys.shape[0], q.shape[2], keys.stride(1) == keys.shape[2], keys.shape[1].bit_length())
     if key not in _CUDNN_GROUPED:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
