@@ -13,7 +13,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias
 
 from . import decode_attention, decode_attention_f32, key_tiles, kv_dtype, layer_ops, split_keys
 
@@ -212,7 +211,9 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     takes the grouped-heads call where cuDNN's kernel accepts it, which split the keys itself: 12.6
     us a layer at 32K keys against 26.0 for the zero-stride view (6.5 against 8.1 at 4K)."""
     refused = (q.dtype, torch.is_tensor(mask))
-    dense = torch.is_tensor(mask) and not isinstance(mask, CausalBias)  # CausalBias is a Tensor subclass
+    # a plain (T, S) tensor: CausalBias (a later prefill piece's) is a Tensor subclass, and importing
+    # its module to test for it imports torch._dynamo, a second of every run's start
+    dense = type(mask) is torch.Tensor
     if q.shape[0] == 1 and dense and grouped_takes_cudnn(q, keys, values, mask):
         return attend_grouped_flag(q, keys, values, mask)
     if dense and split_keys.serves(q.shape[0], keys.shape[1], q) and q.dtype not in _SPLIT_REFUSED:
