@@ -427,3 +427,26 @@ def test_padded_widths_give_the_same_tokens(pair, mode, adaptive, offloaded, mon
         assert torch.equal(gen.full.cache.store.v[:, :n], ref_gen.full.cache.store.v[:, :n])
     assert padded_width(5, room=100) == 8 and padded_width(5, room=6) == 5 and padded_width(1, room=1) == 1
     assert padded_width(17, room=100) == 32 and padded_width(129, room=1000) == 129
+
+
+@pytest.mark.parametrize("mode", ["retrieval", "triforce"])
+def test_offloaded_passes_through_split_keys_give_the_same_tokens(pair, mode, monkeypatch):
+    """The offloaded view's attention goes through attention.attend_shared_heads on any device; with
+    the split-keys form forced on (CUDA's form for verification over long caches, here through the
+    CPU flash kernel) and pieces of 32 keys, every verification runs pieces, ragged and masked whole:
+    the caches' own path's tokens."""
+    from triforce.model import split_keys
+
+    monkeypatch.setattr(graphed, "BUCKET", 16)
+    monkeypatch.setattr(split_keys, "serves", lambda T, S, q: 1 < T <= split_keys.MAX_QUERIES and S >= 64)
+    monkeypatch.setattr(split_keys, "PIECE", 32)
+    calls = []
+    real = split_keys.split_keys_attention
+    monkeypatch.setattr(split_keys, "split_keys_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    target, drafter = pair
+    models = Models(target, drafter if mode == "triforce" else None)
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(8)).tolist()
+    factory = full_cache_factory("cpu", CFG.prefill_chunk)
+    ref, _, _ = run(models, mode, ids, CFG, factory)
+    out, _, _ = run(models, mode, ids, CFG, factory, graphs=True)
+    assert out == ref and len(calls) > 0
