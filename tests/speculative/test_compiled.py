@@ -240,3 +240,34 @@ def test_compiled_passes_over_a_generator_with_graphs_already_on(tiny):
     assert all(w.compiled and not isinstance(w.model, GraphedModel) for w in wrappers)
     gen.prefill(ids)
     assert gen.generate() == eager.generate() and gen.middle.model.replays > 0
+
+
+def test_a_whole_round_never_compares_its_pass_function(tiny):
+    """torch 2.11's dynamo cannot compare bound methods: `forward != self.raw_pass` inside the
+    compiled lookup round failed on the H200 (session 36) where torch 2.13 here traced it. The round
+    learns it runs inside a graph from a flag; a pass function that refuses comparison proves it."""
+    from triforce.speculative.graphs import enable_cuda_graphs
+    from triforce.speculative.lookup import LookupDrafter
+
+    class Incomparable:
+        def __init__(self, run):
+            self.run = run
+
+        def __call__(self, *args):
+            return self.run(*args)
+
+        def __eq__(self, other):
+            raise AssertionError("a round compared its pass function")
+
+        __ne__ = __eq__
+        __hash__ = object.__hash__
+
+    ids = [3 + (i * 7) % 60 for i in range(300)]
+    cfg = GenerationConfig(max_new_tokens=12, budget=64, chunk_size=8, gamma1=2, gamma2=3, device_rounds=True,
+                           adaptive=False)
+    gen = Generator(Models(tiny.target, LookupDrafter()), cfg, "triforce", max_len=400)
+    enable_cuda_graphs(gen, eager_static=True)
+    proposer = gen.proposers["triforce"][0]
+    proposer.raw_pass = Incomparable(proposer.raw_pass)
+    gen.prefill(ids)
+    assert len(gen.generate()) == 12 and proposer.graph.runs > 0

@@ -144,14 +144,16 @@ class DeviceRoundProposer:
         return accepted, probs
 
     def round(self, ids: torch.Tensor, at: torch.Tensor, first: int, draft_shift, middle_shift,
-              uniforms: torch.Tensor | None, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+              uniforms: torch.Tensor | None, forward, timed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One drafter->middle round, device work only: gamma1 drafter steps (the first feeds `first`
         tokens ending at `at`, drafts go to at, at + 1, ...), the middle level's verification, its
         token written after the accepted drafts. Returns (accepted, the middle's distributions or
-        None). forward(level, name, ids, start, T, shift) runs a pass."""
+        None). forward(level, name, ids, start, T, shift) runs a pass; `timed` False inside a whole-round
+        graph (no clock there). A flag, not `forward != self.raw_pass`: dynamo in torch 2.11 cannot
+        compare bound methods (the compiled lookup rounds failed on the H200, session 36)."""
         g = self.gamma1
         if self.lookup is not None:
-            q = self._look_up(ids, at, timed=forward != self.raw_pass)
+            q = self._look_up(ids, at, timed=timed)
         else:
             draft_dists = []
             for k in range(g):
@@ -259,7 +261,7 @@ class RoundGraph:
 
     def _round(self, ids, at, shifts, uniforms):
         p = self.proposer
-        return p.round(ids, at, FIRST_FEED, shifts[0], shifts[1], uniforms, p.raw_pass)
+        return p.round(ids, at, FIRST_FEED, shifts[0], shifts[1], uniforms, p.raw_pass, timed=False)
 
     def run(self, ids: torch.Tensor, at: torch.Tensor, draft_shift: int, middle_shift: int,
             uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
