@@ -45,7 +45,7 @@ MODEL = "models/smollm2-135m"
 CONTEXTS, REHEARSAL_CONTEXTS = "4096,32768", "512,1024"
 # the steps that need no checkpoint (random weights, tiny models): the first call of a lease runs them
 # while the model's second half is on its way (docs/gpu-session.md)
-NO_MODEL = "link floor,op forms,op forms llama-3,graph == eager tokens,big target"
+NO_MODEL = "link floor,op forms,op forms llama-3,graph == eager tokens,kernels per layer,big target"
 MIN_STEP_SECONDS = 20  # a step given less than this is skipped rather than started and cut
 
 

@@ -106,7 +106,8 @@ def test_only_and_skip_split_the_plan_between_calls():
     first = gpu_figures.chosen(plan, gpu_figures.NO_MODEL, None)
     rest = gpu_figures.chosen(plan, None, gpu_figures.NO_MODEL)
     # the link floor last: each bench row carries its own, so a short first call loses it first
-    assert [n for n, _ in first] == ["op forms", "op forms llama-3", "graph == eager tokens", "big target", "link floor"]
+    assert [n for n, _ in first] == [
+        "op forms", "op forms llama-3", "graph == eager tokens", "kernels per layer", "big target", "link floor"]
     assert sorted(n for n, _ in first + rest) == sorted(names)
     assert rest[0][0] == "kv host greedy"  # the product's regime first, so a short lease measures it
     with pytest.raises(gpu_figures.UserError, match="no step named 'kv x'; the steps are op forms"):
