@@ -12,7 +12,8 @@ attention which fused kernels take each form:
   grouped heads with a mask can send SDPA to its math backend, which writes the keys out per
   query head and the scores in float32; beside them `split us`, the keys in pieces of 512 merged by
   their log-sum-exps (model/split_keys.py, what the engine runs for a verification pass over 4,096
-  keys or more on CUDA since session 35);
+  keys or more on CUDA since session 35; since session 36 a layer after a pass's first, which reuses
+  the first's bias: the first layer pays two kernels more);
 - attention, a later prefill piece (T queries, the last T of S keys, causal): a boolean (T, S) mask
   with the flag against shared heads under torch's lower-right causal bias, no mask;
 - RMSNorm (T rows, 16-bit): float32 statistics then the model dtype then the weight (4 kernels,

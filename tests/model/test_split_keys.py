@@ -68,3 +68,71 @@ def test_a_prefill_pieces_causal_bias_never_takes_the_split_form(monkeypatch):
     assert not taken and out.shape == (4, 32)
     attention.attend_shared_heads(q, keys, keys, torch.zeros(4, 16))
     assert taken == [1]
+
+
+def aten_ops(fn) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        fn()
+    return record.ops
+
+
+VIEWS = {"view", "_unsafe_view", "permute", "transpose", "expand", "unsqueeze", "alias", "slice", "empty"}
+
+
+def kernels(fn) -> list[str]:
+    """The aten ops fn dispatches that compute (views and allocations left out): on CUDA, kernels."""
+    return [op for op in aten_ops(fn) if op.removeprefix("aten.") not in VIEWS]
+
+
+def test_the_layers_of_a_pass_share_one_bias_and_a_rewritten_mask_gets_a_new_one():
+    """Every layer of a pass gets the same mask tensor: the first builds the folded, clamped bias
+    and the rest reuse it (two kernels fewer a layer). The next pass rewrites the mask in place, as
+    the static views' begin() does, and must not be served the old bias."""
+    g = torch.Generator().manual_seed(5)
+    T, S = 4, 2048
+    q = torch.randn(T, 9, 64, generator=g)
+    keys, values = (torch.randn(3, S, 64, generator=g) for _ in "kv")
+    mask = static_view_mask(T, S, 1500, torch.float32)
+    first, later = (kernels(lambda: split_keys.split_keys_attention(q, keys, values, mask, piece=256))
+                    for _ in range(2))
+    # the rows' copy, the bias's copy and clamp, the attention, the pieces' weights, their product and
+    # sum, the result's cast and permute as one copy (10 kernels before on CUDA); then no bias
+    assert len(first) == 8 and "aten.clamp_" in first
+    assert len(later) == 6 and "aten.clamp_" not in later
+    # the next pass: the same buffer, refilled for a longer sequence
+    mask.fill_(0).masked_fill_(torch.arange(S)[None, :] > torch.arange(1996, 2000)[:, None], float("-inf"))
+    got = split_keys.split_keys_attention(q, keys, values, mask, piece=256)
+    torch.testing.assert_close(got.double(), reference(q, keys, values, mask), atol=2e-6, rtol=2e-6)
+    # another mask of the same shape and version, or another group, is not served the last bias either
+    split_keys.split_keys_attention(q, keys, values, static_view_mask(T, S, 1500, torch.float32), piece=256)
+    other = static_view_mask(T, S, 700, torch.float32)
+    got = split_keys.split_keys_attention(q, keys, values, other, piece=256)
+    torch.testing.assert_close(got.double(), reference(q, keys, values, other), atol=2e-6, rtol=2e-6)
+    q12 = torch.randn(T, 12, 64, generator=g)
+    got = split_keys.split_keys_attention(q12, keys, values, other, piece=256)
+    torch.testing.assert_close(got.double(), reference(q12, keys, values, other), atol=2e-6, rtol=2e-6)
+
+
+def test_a_capture_never_reuses_a_bias_built_outside_it(monkeypatch):
+    """A CUDA graph that read an eagerly built bias would read memory the cache lets go of at the
+    next mask: a capture builds its own bias (its first layer), then its later layers reuse that."""
+    T, S = 3, 1024
+    q, keys = torch.randn(T, 4, 32), torch.randn(2, S, 32)
+    mask = static_view_mask(T, S, 900, torch.float32)
+    run = lambda: kernels(lambda: split_keys.split_keys_attention(q, keys, keys, mask, piece=128))  # noqa: E731
+    assert "aten.clamp_" in run() and "aten.clamp_" not in run()
+    monkeypatch.setattr(split_keys, "capturing_graph", lambda mask: True)
+    assert "aten.clamp_" in run() and "aten.clamp_" not in run()
+    monkeypatch.setattr(split_keys, "capturing_graph", lambda mask: False)
+    assert "aten.clamp_" not in run()  # built inside a capture: eager calls may read it
