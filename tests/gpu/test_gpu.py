@@ -317,6 +317,35 @@ def test_split_keys_on_cuda_is_sdpas_attention(dtype, tol, T, S, end):
 
 
 @cuda
+def test_a_captured_split_reads_only_its_own_bias():
+    """The split form builds a mask's bias once and reuses it for the pass's later layers
+    (split_keys.folded_bias). A graph must not read a bias built before its capture: the cache lets
+    that go at the next mask, and the memory is reused. Two layers captured, the cache then moved to
+    another mask and the freed memory overwritten: the replay still gives the attention."""
+    from triforce.model import split_keys
+    from ..model.test_split_keys import reference, static_view_mask
+
+    g = torch.Generator().manual_seed(3)
+    T, S = 5, 8192
+    q = torch.randn(T, 9, 64, generator=g).to("cuda", torch.bfloat16)
+    keys, values = (torch.randn(3, S, 64, generator=g).to("cuda", torch.bfloat16) for _ in "kv")
+    mask = static_view_mask(T, S, 6000, torch.bfloat16).cuda()
+    eager = split_keys.split_keys_attention(q, keys, values, mask)  # the cache holds an eager bias
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = split_keys.split_keys_attention(q, keys, values, mask)
+        second = split_keys.split_keys_attention(q, keys, values, mask)
+    split_keys.split_keys_attention(q, keys, values, static_view_mask(T, S, 100, torch.bfloat16).cuda())
+    junk = [torch.full((3 * T, S), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    graph.replay()
+    del junk
+    want = reference(q.cpu(), keys.cpu(), values.cpu(), mask.cpu())
+    for got in (first, second):
+        assert torch.equal(got, eager)
+        torch.testing.assert_close(got.double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@cuda
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_captured_passes_with_split_keys_give_the_eager_tokens(models, offloaded, monkeypatch):
     """Every verification pass of the tiny run through the split-keys form (pieces of 32 keys from 64
