@@ -354,6 +354,10 @@ class Chooser:
         self.probe_loss: dict[str, float] = {}  # per mode: seconds its probes lost against the best plan (average)
         self._probing: float | None = None  # while a probe runs: the best plan's seconds per token
         self._again: str | None = None  # a mode whose probe just beat the best plan: probed once more next
+        # inside one choice nothing it reads changes: each plan priced once (a choice priced the same
+        # plans over and over: 26 prices and 38 `known` checks for 6 modes at gamma2 6, 0.13 ms a pass
+        # on a CPU, which a resident GPU pass of SmolLM2 (2 ms) pays on the host)
+        self._priced: dict | None = None
 
     def passed(self, level: str, tokens: int, seconds: float, typical: bool = True) -> None:
         """A pass of `level` over `tokens` tokens took `seconds` (Level.run, decode only). An untypical
@@ -413,12 +417,26 @@ class Chooser:
         return self.acceptance.expected(self._edge(edge), gamma)
 
     def known(self, mode: str) -> bool:
+        if self._priced is not None:
+            if mode not in self._priced:
+                self._priced[mode] = self._known(mode)
+            return self._priced[mode]
+        return self._known(mode)
+
+    def _known(self, mode: str) -> bool:
         levels, edges = needs(mode)
         if SHAPE[mode] == "triforce" and self.costs.known(round_name(first_level(mode))):
             levels = ("verify",)  # whole rounds timed: their passes need not be
         return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
 
     def predict(self, plan: Plan) -> float:
+        if self._priced is not None:
+            if plan not in self._priced:
+                self._priced[plan] = self._predict(plan)
+            return self._priced[plan]
+        return self._predict(plan)
+
+    def _predict(self, plan: Plan) -> float:
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.rate,
                                  self.overhead.get(plan.mode, 0.0), self._round_cost(plan.mode, self.costs.estimate),
                                  self.device_rounds, self.expected)
@@ -464,7 +482,11 @@ class Chooser:
         """The next full pass's plan; `match`: how many tokens the lookup's match spans there
         (lookup.MatchIndex), for a chooser with lookups."""
         self.match = match
-        plan = self._choose()
+        self._priced = {}  # modes' `known` and plans' prices, for this choice only
+        try:
+            plan = self._choose()
+        finally:
+            self._priced = None
         if self.agree is not None:
             plan = self.plans[self.agree(self.plans.index(plan))]
         self.passes += 1
