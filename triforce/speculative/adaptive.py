@@ -354,9 +354,10 @@ class Chooser:
         self.probe_loss: dict[str, float] = {}  # per mode: seconds its probes lost against the best plan (average)
         self._probing: float | None = None  # while a probe runs: the best plan's seconds per token
         self._again: str | None = None  # a mode whose probe just beat the best plan: probed once more next
-        # inside one choice nothing it reads changes: each plan priced once (a choice priced the same
-        # plans over and over: 26 prices and 38 `known` checks for 6 modes at gamma2 6, 0.13 ms a pass
-        # on a CPU, which a resident GPU pass of SmolLM2 (2 ms) pays on the host)
+        # inside one choice nothing it reads changes: each plan priced once. A choice priced the same
+        # plans over and over (26 prices, 38 `known` checks for 6 modes at gamma2 6): 0.147 ms a pass
+        # against 0.102 priced once, 0.271 against 0.168 at gamma2 16, side by side on a 2-core Xeon;
+        # a resident GPU pass of SmolLM2 (2 ms) pays it on the host
         self._priced: dict | None = None
 
     def passed(self, level: str, tokens: int, seconds: float, typical: bool = True) -> None:
@@ -416,12 +417,16 @@ class Chooser:
     def expected(self, edge: str, gamma: float) -> float:
         return self.acceptance.expected(self._edge(edge), gamma)
 
+    def _once(self, key, compute: Callable[[], object]):
+        """compute(), kept for the rest of the choice under way (keys: a mode's name, a Plan)."""
+        if self._priced is None:
+            return compute()
+        if key not in self._priced:
+            self._priced[key] = compute()
+        return self._priced[key]
+
     def known(self, mode: str) -> bool:
-        if self._priced is not None:
-            if mode not in self._priced:
-                self._priced[mode] = self._known(mode)
-            return self._priced[mode]
-        return self._known(mode)
+        return self._once(mode, lambda: self._known(mode))
 
     def _known(self, mode: str) -> bool:
         levels, edges = needs(mode)
@@ -430,11 +435,7 @@ class Chooser:
         return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
 
     def predict(self, plan: Plan) -> float:
-        if self._priced is not None:
-            if plan not in self._priced:
-                self._priced[plan] = self._predict(plan)
-            return self._priced[plan]
-        return self._predict(plan)
+        return self._once(plan, lambda: self._predict(plan))
 
     def _predict(self, plan: Plan) -> float:
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.rate,
