@@ -4,6 +4,12 @@ at one context, before and after, as a table and a grouped-bar plot:
     python -m bench.gpu_compare results/gpu-2026-11-27-h200-b.json results/gpu-2026-11-27-h200-d.json \
         --step "kv host greedy" --context 32768 --out docs/results/x.png
 
+`--after-step` compares another step of the after run (it may be the same file), such as TriForce's
+gamma2 beside the default in one run:
+
+    python -m bench.gpu_compare R.json R.json --step "kv host greedy" --after-step "gamma2 16 kv host greedy" \
+        --context 32768 --labels "gamma2 6,gamma2 16"
+
 The two runs must come from the same kind of device (the JSON says which; a mismatch is refused),
 since a ratio across devices measures the devices. Each figure is the run's own timed run; the
 ratio column is after / before.
@@ -82,19 +88,21 @@ def main(argv=None) -> None:
     ap.add_argument("before", type=Path)
     ap.add_argument("after", type=Path)
     ap.add_argument("--step", required=True, help="a step of bench.gpu_figures, e.g. 'kv host greedy'")
+    ap.add_argument("--after-step", help="the after run's step, when not --step's")
     ap.add_argument("--context", type=int, required=True)
     ap.add_argument("--labels", default="before,after", help="the two runs' names in the table and plot")
     ap.add_argument("--out", type=Path, help="a PNG of the two runs' bars")
     args = ap.parse_args(argv)
     labels = tuple(args.labels.split(",", 1)) if "," in args.labels else ("before", "after")
     device_b, before = step_rows(args.before, args.step, args.context)
-    device_a, after = step_rows(args.after, args.step, args.context)
+    device_a, after = step_rows(args.after, args.after_step or args.step, args.context)
     if device_b != device_a:
         raise UserError(f"the runs come from different devices ({device_b}, {device_a}): compare runs of one kind")
     rows = compare(before, after)
     print(table(rows, labels))
     if args.out:
-        print(plot(rows, labels, f"{args.step}, {args.context:,} tokens, {device_a}", args.out))
+        steps = args.step if args.after_step in (None, args.step) else f"{args.step} / {args.after_step}"
+        print(plot(rows, labels, f"{steps}, {args.context:,} tokens, {device_a}", args.out))
 
 
 if __name__ == "__main__":

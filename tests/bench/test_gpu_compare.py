@@ -54,3 +54,15 @@ def test_the_plot_is_written(tmp_path):
     out = tmp_path / "x.png"
     gpu_compare.main([str(run), str(run), "--step", "kv host greedy", "--context", "32768", "--out", str(out)])
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_steps_of_one_run_side_by_side(tmp_path, capsys):
+    """TriForce's gamma2 beside the default: two steps of the same run."""
+    run = tmp_path / "r.json"
+    run.write_text(json.dumps({"device": "NVIDIA H200", "steps": [
+        {"name": "kv host greedy", "result": {"rows": [row("retrieval", 200.0)]}},
+        {"name": "gamma2 16 kv host greedy", "result": {"rows": [row("retrieval", 300.0)]}}]}))
+    gpu_compare.main([str(run), str(run), "--step", "kv host greedy", "--after-step", "gamma2 16 kv host greedy",
+                      "--context", "32768", "--labels", "gamma2 6,gamma2 16"])
+    out = capsys.readouterr().out
+    assert "| system | gamma2 6 tok/s | gamma2 16 tok/s |" in out and "| retrieval | 200.0 | 300.0 | 1.50x |" in out
