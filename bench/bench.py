@@ -58,7 +58,7 @@ from bench.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems
 from bench.measure import (ALL_OURS, OURS, TIE_ULPS, build_system, first_mismatch, level_ms_per_pass,
                            link_floor, logit_gap_ulps, system_settings, seed_config, shared_prefill, ties_only, timed_run)
 from triforce.cli.common import open_session
-from triforce.speculative.graphs import HOT_AFTER
+from triforce.speculative.graphs import HOT_AFTER, made as graphs_made
 from bench.traffic import Traffic, bytes_read
 from triforce.speculative import ModelConfig, UserError
 
@@ -216,6 +216,8 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "ms_per_pass": ms_per_pass(mode, stats, seconds),
         "link_floor": link_floor(stats, session.device) if mode in ALL_OURS else None,
         "modes": stats.get("modes") or None,  # an adaptive system's full passes per mode
+        # CUDA captures and compiled widths made inside the timed runs (the warm-up should make them)
+        "graphs_in_clock": r.get("graphs_in_clock") if mode in ALL_OURS else None,
         "tokens": r["tokens"],  # which run resolved a tie which way, when the tokens differ
     }
     return row
@@ -246,7 +248,7 @@ def our_warmups(system: str) -> int:
 def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_len, hf, context) -> dict:
     """{system: its tokens (from the warm-up), top-2 margins (transformers), times and stats}, the
     repetitions alternating between systems so that drift hits all alike."""
-    results = {s: {"times": [], "stats": None, "tokens": None, "margins": None} for s in systems}
+    results = {s: {"times": [], "stats": None, "tokens": None, "margins": None, "graphs_in_clock": 0} for s in systems}
     gens = system_generators(session, cfgs, prefilled, max_len)
     for rep in range(plan.repeats + 1):  # repetition 0 is the warm-up
         for mode in systems:
@@ -255,13 +257,18 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
                 if mode in HF:
                     tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, base, scores=rep == 0)
                 else:
+                    before = graphs_made["graphs"]
                     tokens, seconds, stats = timed_run(gens[mode], prefilled, learned=plan.learned)
-                    stats, margins = stats.to_dict(), None
+                    stats, margins, made = stats.to_dict(), None, graphs_made["graphs"] - before
             session.console.print(f"  [dim]{context} {'warm-up' if rep == 0 else f'rep {rep}'} {mode}: "
                                   f"{(len(tokens) - 1) / seconds:.2f} tok/s[/]")
             if rep == 0:
                 results[mode]["tokens"], results[mode]["margins"] = tokens, margins
                 continue
+            if mode not in HF and made:
+                session.console.print(f"  note: {mode}@{context} made {made} graph(s) inside the clock (a new pass "
+                                      "width captured or compiled): its time includes them")
+                results[mode]["graphs_in_clock"] += made
             results[mode]["times"].append(seconds)
             results[mode]["stats"] = stats
     return results

@@ -121,9 +121,8 @@ def eager_ops(gen: Generator, level: str, T: int) -> Counter:
 @contextmanager
 def compile_settings():
     """Compile with inductor's C++ kernels visible to the profiler (see the module's docstring), and
-    room for every pass shape of the three levels: the full level's view compiles twice per shape
-    (its query buffers are allocated on the first call), 9 graphs of one function against
-    dynamo's default limit of 8."""
+    room for every pass shape of the three levels (six graphs, and before session 37 the full
+    level's views compiled twice, nine, against dynamo's default limit of 8)."""
     import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 

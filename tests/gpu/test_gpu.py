@@ -106,6 +106,25 @@ def test_compiled_passes_capture_the_offloaded_pass_uncompiled(models):
 
 
 @cuda
+def test_compiled_resident_triforce_captures_every_full_cache_width(models):
+    """--compile with the KV on the GPU: the full level's views of widths after the first compiled
+    twice (their query buffers allocated on the first call), the second compile inside the capture,
+    which CUDA refuses (bench.kernels on the H200, session 37). Each width compiles once now."""
+    from triforce.speculative.graphs import enable_compiled_passes
+
+    target, drafter = models
+    pair = Models(target, drafter)
+    eager, _, _ = run(pair, "triforce")
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(3)).tolist()
+    gen = Generator(pair, CFG, "triforce", len(ids) + CFG.max_new_tokens)
+    wrappers = enable_compiled_passes(gen)
+    gen.prefill(ids)
+    assert gen.generate() == eager
+    full = gen.full.model
+    assert full in wrappers and sum(c.graph is not None for c in full.captured.values()) >= 1
+
+
+@cuda
 @flash
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_flash_matches_sdpa_within_bf16(T):
@@ -294,7 +313,8 @@ def test_a_16_bit_norm_is_one_kernel_within_a_rounding_of_transformers_form():
 
 @cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
-@pytest.mark.parametrize("T,S,end", [(7, 32768, 20000), (7, 4096, 4096), (17, 33792, 32785), (2, 2500, 300)])
+@pytest.mark.parametrize("T,S,end", [(7, 32768, 20000), (7, 4096, 4096), (17, 33792, 32785), (2, 2500, 300),
+                                     (1, 32768, 30000)])
 def test_split_keys_on_cuda_is_sdpas_attention(dtype, tol, T, S, end):
     """The CUDA kernel of the split-keys form (model/split_keys.py) over the offloaded slots' layout
     (token-major, seen as (Hkv, S, D)), pieces past the end masked whole, eager and in a CUDA graph."""
@@ -360,6 +380,28 @@ def test_captured_passes_with_split_keys_give_the_eager_tokens(models, offloaded
     eager, _, _ = run(pair, "triforce")
     captured, gen, _ = run(pair, "triforce", factory, graphs="cuda")
     assert captured == eager and gen.full.model.replays > 0
+
+
+@cuda
+def test_a_float32_query_cudnn_refuses_takes_the_split_keys(monkeypatch):
+    """cuDNN takes no float32: one float32 query over 32K keys went to the memory-efficient kernel's
+    9 blocks (plain decoding in float32 with the KV in host memory: 120 ms a pass, the link floor 27,
+    session 37). It takes the split keys now, and gives the attention over all keys."""
+    from triforce.model import split_keys
+    from ..model.test_split_keys import reference, static_view_mask
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 9, 64, generator=g).cuda()
+    keys, values = (torch.randn(32768, 3, 64, generator=g).cuda().transpose(0, 1) for _ in "kv")
+    mask = static_view_mask(1, 32768, 30000, torch.float32).cuda()
+    assert not attention.grouped_takes_cudnn(q, keys, values, mask)
+    taken = []
+    real = split_keys.split_keys_attention
+    monkeypatch.setattr(split_keys, "split_keys_attention", lambda *a, **k: taken.append(1) or real(*a, **k))
+    got = attention.attend_shared_heads(q, keys, values, mask)
+    assert taken == [1]
+    torch.testing.assert_close(got.double().cpu(), reference(q.cpu(), keys.cpu(), values.cpu(), mask.cpu()),
+                               atol=1e-4, rtol=1e-4)
 
 
 @cuda

@@ -271,3 +271,23 @@ def test_a_whole_round_never_compares_its_pass_function(tiny):
     proposer.raw_pass = Incomparable(proposer.raw_pass)
     gen.prefill(ids)
     assert len(gen.generate()) == 12 and proposer.graph.runs > 0
+
+
+def test_a_full_cache_width_compiles_one_graph(tmp_path):
+    """A full cache's view keeps the last queries for the retrieval level in buffers its first call
+    allocated: compiled, that first call traced a graph without them and the second another with
+    them. On CUDA the second compile landed inside the graph capture (warmed up once) and failed
+    ("operation not permitted when stream is capturing", bench.kernels on the H200, session 37)."""
+    from torch._dynamo.utils import counters
+
+    from triforce.speculative.graphs import HOT_AFTER
+
+    model, cache, reference, compiled = compiled_beside_eager(tmp_path, seed=3)
+    before = counters["stats"]["unique_graphs"]
+    for i in range(HOT_AFTER + 3):
+        tokens = (torch.arange(5) * 3 + i) % 60 + 3
+        torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    view = next(iter(compiled.views.values()))
+    assert all(q is not None for q in view.queries)
+    torch.testing.assert_close(cache.queries[0], reference.queries[0], rtol=1e-5, atol=1e-6)

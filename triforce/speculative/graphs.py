@@ -47,6 +47,11 @@ MAX_GRAPH_TOKENS = 32  # calls feeding more tokens (prefill, rebuild catch-up) r
 # that may never recur, and compiling each (seconds) made `--compile` with a drafter 20x slower than
 # eager. CUDA graphs alone capture at once (milliseconds).
 HOT_AFTER = 3
+# graphs this process made (CUDA captures and compiled pass widths): a benchmark reads it before and
+# after its clock to tell whether a capture (tens of ms) or a compile (seconds) fell inside it
+made = {"graphs": 0}
+
+
 def pad_tokens(tokens: torch.Tensor, width: int) -> torch.Tensor:
     """tokens followed by copies of the last, up to `width` (their outputs are dropped)."""
     extra = width - tokens.shape[0]
@@ -206,6 +211,13 @@ class GraphedModel:
             c.forward = self._forward(view, last_only)
             if self.compiled and not (tokens.is_cuda and not self.eager_static):
                 self.captures += 1  # this call compiles: not a sample of the pass's cost
+                made["graphs"] += 1
+            if self.compiled and view.queries is not None and any(q is None for q in view.queries):
+                # one eager pass allocates the query buffers, so the graph traces them as inputs once;
+                # traced without them it compiled twice, and on CUDA the second compile fell inside
+                # the capture (one warm-up for a later width), which CUDA refuses
+                with torch.no_grad():
+                    self.model(pad_tokens(tokens, view.T), view, last_only)
         c.tokens.copy_(tokens)
         if not tokens.is_cuda or self.eager_static:
             logits = c.forward(c.tokens)
@@ -279,6 +291,7 @@ def capture_graph(run, models, device: torch.device, warmup: int = 2):
         for _ in range(warmup):
             run()
     torch.cuda.current_stream(device).wait_stream(side)
+    made["graphs"] += 1
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         outputs = run()

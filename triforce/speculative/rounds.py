@@ -33,6 +33,7 @@ import math
 import torch
 
 from .graphs import GraphedModel, StaticView, capture_graph, compile_static
+from .graphs import made as graphs_made
 from .lookup import point_masses
 from .stats import round_name
 
@@ -275,6 +276,7 @@ class RoundGraph:
         if not self.capture:
             if self.runs == 1 and self.fn is not self._round:
                 self.builds += 1  # the first call compiles
+                graphs_made["graphs"] += 1
             return self.fn(ids, self.at, self.shifts, u)
         if self.graph is None:
             models = tuple(lv.model for lv in (self.proposer.drafter, self.proposer.middle) if lv.model is not None)
