@@ -7,8 +7,8 @@ at one context, before and after, as a table and a grouped-bar plot:
 `--after-step` compares another step of the after run (it may be the same file), such as TriForce's
 gamma2 beside the default in one run:
 
-    python -m bench.gpu_compare R.json R.json --step "kv host greedy" --after-step "gamma2 16 kv host greedy" \
-        --context 32768 --labels "gamma2 6,gamma2 16"
+    python -m bench.gpu_compare R.json R.json --step "kv host greedy" --after-step "gamma2 6 kv host greedy" \
+        --context 32768 --labels "gamma2 16,gamma2 6"
 
 The two runs must come from the same kind of device (the JSON says which; a mismatch is refused),
 since a ratio across devices measures the devices. Each figure is the run's own timed run; the
@@ -58,6 +58,12 @@ def table(rows, labels: tuple[str, str]) -> str:
     return "\n".join(lines)
 
 
+def plotted(rows):
+    """The rows both runs measured: a system one run lacks is left out of the plot (the table says
+    "-"), where a bar of 0 read as a measurement."""
+    return [r for r in rows if r[1] is not None and r[2] is not None]
+
+
 def plot(rows, labels: tuple[str, str], title: str, path: Path) -> str:
     try:
         import matplotlib
@@ -66,10 +72,11 @@ def plot(rows, labels: tuple[str, str], title: str, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+    rows = plotted(rows)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     xs = range(len(rows))
     for k, (label, offset) in enumerate(zip(labels, (-0.2, 0.2))):
-        values = [(r[1 + k] or 0.0) for r in rows]
+        values = [r[1 + k] for r in rows]
         bars = ax.bar([x + offset for x in xs], values, width=0.4, label=label)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks(list(xs), [r[0] for r in rows], rotation=20, fontsize=8)

@@ -56,13 +56,19 @@ def test_the_plot_is_written(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_system_one_run_lacks_is_not_plotted_as_zero():
+    rows = gpu_compare.compare({"retrieval": 200.0, "speculative": 70.0}, {"retrieval": 300.0, "hf-static": 9.0})
+    assert gpu_compare.plotted(rows) == [("retrieval", 200.0, 300.0)]
+    assert "| speculative | 70.0 | - | - |" in gpu_compare.table(rows, ("a", "b"))
+
+
 def test_two_steps_of_one_run_side_by_side(tmp_path, capsys):
-    """TriForce's gamma2 beside the default: two steps of the same run."""
+    """The previous default gamma2 beside the offloaded default (16): two steps of the same run."""
     run = tmp_path / "r.json"
     run.write_text(json.dumps({"device": "NVIDIA H200", "steps": [
         {"name": "kv host greedy", "result": {"rows": [row("retrieval", 200.0)]}},
-        {"name": "gamma2 16 kv host greedy", "result": {"rows": [row("retrieval", 300.0)]}}]}))
-    gpu_compare.main([str(run), str(run), "--step", "kv host greedy", "--after-step", "gamma2 16 kv host greedy",
-                      "--context", "32768", "--labels", "gamma2 6,gamma2 16"])
+        {"name": "gamma2 6 kv host greedy", "result": {"rows": [row("retrieval", 300.0)]}}]}))
+    gpu_compare.main([str(run), str(run), "--step", "kv host greedy", "--after-step", "gamma2 6 kv host greedy",
+                      "--context", "32768", "--labels", "gamma2 16,gamma2 6"])
     out = capsys.readouterr().out
-    assert "| system | gamma2 6 tok/s | gamma2 16 tok/s |" in out and "| retrieval | 200.0 | 300.0 | 1.50x |" in out
+    assert "| system | gamma2 16 tok/s | gamma2 6 tok/s |" in out and "| retrieval | 200.0 | 300.0 | 1.50x |" in out

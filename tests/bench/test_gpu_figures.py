@@ -34,10 +34,10 @@ def test_the_plan_covers_the_figures():
     assert plan["big target"] == ["bench.big_target"] and "big target" in gpu_figures.NO_MODEL.split(",")
     assert any("float32" in c and "--offload host" in c and "4096,32768" in c for c in commands)
     assert plan["graph == eager tokens"] == ["pytest", "-q", "tests/gpu"]
-    # TriForce's offloading gamma beside the default, greedy and sampled, at 32K in host memory
-    long_gamma = [" ".join(plan[f"gamma2 16 kv host {s}"]) for s in ("greedy", "sampled")]
-    assert all("--gamma2 16" in c and "--contexts 32768 --offload host" in c and "adaptive" in c for c in long_gamma)
-    assert "--temperature" in long_gamma[1] and "--temperature" not in long_gamma[0]
+    # the previous default gamma2 beside the offloaded default (16), greedy and sampled, at 32K in host memory
+    short_gamma = [" ".join(plan[f"gamma2 6 kv host {s}"]) for s in ("greedy", "sampled")]
+    assert all("--gamma2 6" in c and "--contexts 32768 --offload host" in c and "adaptive" in c for c in short_gamma)
+    assert "--temperature" in short_gamma[1] and "--temperature" not in short_gamma[0]
     assert "autoregressive,autoregressive-compiled" in " ".join(plan["compiled kv gpu greedy"])
     compiled_host = " ".join(plan["compiled kv host greedy"])
     assert "--contexts 32768 --offload host" in compiled_host and all(
@@ -47,7 +47,7 @@ def test_the_plan_covers_the_figures():
     # the missing figures first: host greedy (our drafter, then drafts looked up: the triforce target's
     # best chance), then the resident cache against transformers' static one
     assert [n for n in plan][2:10] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
-                                    "kv gpu greedy", "gamma2 16 kv host greedy", "gamma2 16 kv host sampled",
+                                    "kv gpu greedy", "gamma2 6 kv host greedy", "gamma2 6 kv host sampled",
                                     "compiled kv host greedy"]
     for name, flags in (("lookup kv host greedy", "--accept-ties"), ("lookup kv host sampled", "--temperature 0.8")):
         line = " ".join(plan[name])

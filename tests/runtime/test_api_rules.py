@@ -1,6 +1,7 @@
 """The Python API follows the command line's rules: RoPE scaling for a prompt past the checkpoint's
 positions, a retrieval-free mode for a prompt too short to retrieve from, each said in one line."""
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -109,6 +110,25 @@ def test_a_gpu_budget_is_a_quarter_of_the_prompt_from_4096_to_8192_within_4_gib(
     assert default_budget(131072, 32, gpu=True, kv_token_bytes=2 * 2**20) == 4096  # never below 4,096
     assert default_budget(131072, 32, gpu=False) == 8192 and default_budget(4096, 32, gpu=False) == 1024
     assert kv_token_bytes(None) == 0 and kv_token_bytes("/nonexistent/model") == 0
+
+
+@pytest.mark.parametrize("mode,adaptive,offload,device,gamma2", [
+    ("triforce", True, "host", "cuda", 16),  # the default: the chooser's cap at TriForce's offloaded 16
+    ("retrieval", False, "host", "cuda", 16),
+    ("triforce", False, "host", "cuda", 6),  # fixed triforce: 0.81x plain decoding sampled at 16 (1.40x at 6)
+    ("triforce", True, "none", "cuda", 6),  # the KV on the GPU: a full pass costs 2 ms, not the link's 14
+    ("triforce", True, "host", "cpu", 3),
+    ("speculative", True, "host", "cuda", 4),  # no middle level: gamma2 stays gamma1's business
+])
+def test_gamma2_defaults_follow_the_device_and_where_the_kv_lives(monkeypatch, mode, adaptive, offload, device, gamma2):
+    import triforce.parallel
+    from triforce.runtime.settings import generation_config, make_settings
+
+    monkeypatch.setattr(triforce.parallel, "resolve_device", lambda spec: device)
+    run = make_settings(mode=mode, adaptive=adaptive, offload=offload, budget=4096, sampling="greedy")
+    cfg = generation_config(run, prompt_len=32768)
+    assert (cfg.gamma2 if mode != "speculative" else cfg.gamma1) == gamma2
+    assert generation_config(replace(run, gamma2=5), prompt_len=32768).gamma2 == 5  # a chosen gamma2 stays
 
 
 def test_kv_token_bytes_reads_the_model_folder(tmp_path):

@@ -120,6 +120,14 @@ CPU_BUDGET_FRACTION, CPU_BUDGET_RANGE = 4, (1024, 8192)
 GPU_BUDGET_RANGE, GPU_RETRIEVAL_BYTES = (4096, 8192), 4 * 2**30
 DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce": (2, 3), "autoregressive": (0, 0)},
                   "cuda": {"speculative": (4, 0), "retrieval": (0, 6), "triforce": (4, 6), "autoregressive": (0, 0)}}
+# With the KV in host memory on a GPU a full pass costs the link (SmolLM2 at 32K: 14 ms on the H200,
+# a middle pass 1.6 ms), so the middle level proposes TriForce's offloaded 16 a pass: retrieval and
+# the adaptive default, whose chooser takes gamma2 as its cap and picks each pass's length below it.
+# Session 37 (H200, 32K, x plain decoding beside session 36's gamma2 6; docs/results/
+# 2026-11-27-gpu-h200-compiled-and-gamma2.md): retrieval 3.46x -> 4.37x greedy, 2.75x -> 3.09x
+# sampled; adaptive 4.03x -> 3.87x greedy, 2.19x -> 2.77x sampled. Triforce run fixed keeps 6: at 16
+# it made 4.01x greedy (3.82x) but 0.81x sampled (1.40x), its drafter accepting 0.18 there.
+OFFLOADED_GAMMA2 = 16
 
 
 def default_budget(prompt_len: int, chunk: int, gpu: bool, kv_token_bytes: int = 0) -> int:
@@ -154,6 +162,8 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
 
     gpu = resolve_device(run.device).startswith("cuda")
     g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][run.mode]
+    if gpu and g2 and run.offload == "host" and (run.adaptive or run.mode == "retrieval"):
+        g2 = OFFLOADED_GAMMA2
     budget = run.budget
     if budget is None:  # a chunk size <= 0 is refused by GenerationConfig, naming it
         chunk = max(run.chunk_size, 1)
