@@ -59,6 +59,7 @@ from bench.measure import (ALL_OURS, OURS, TIE_ULPS, build_system, first_mismatc
                            link_floor, logit_gap_ulps, system_settings, seed_config, shared_prefill, ties_only, timed_run)
 from triforce.cli.common import open_session
 from triforce.speculative.graphs import HOT_AFTER, made as graphs_made
+from bench import timeline
 from bench.traffic import Traffic, bytes_read
 from triforce.speculative import ModelConfig, UserError
 
@@ -86,6 +87,7 @@ class BenchPlan:
     accept_ties: bool
     quick: bool = False
     learned: bool = False  # adaptive systems keep what their chooser learned in the runs before
+    timeline: bool = False  # one profiled run per system after the timed ones (bench/timeline.py)
 
 
 def parse_args(argv) -> BenchPlan:
@@ -112,6 +114,9 @@ def parse_args(argv) -> BenchPlan:
                    help="adaptive systems keep what their chooser learned in the warm-up and earlier repeats, as a "
                         "chat's later answers do (the steady state), instead of trying every mode afresh in each "
                         "timed run, as a new process does: a short run is otherwise mostly exploration")
+    p.add_argument("--timeline", action="store_true",
+                   help="after the timed runs, one profiled run per system of ours: where its time goes on the "
+                        "device (kernels, copies, their overlap, idle), ms a token (bench/timeline.py; CUDA)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     contexts, new_tokens, repeats = ((QUICK["contexts"], QUICK["new_tokens"], QUICK["repeats"]) if args.quick
@@ -125,7 +130,7 @@ def parse_args(argv) -> BenchPlan:
     threads = QUICK["threads"] if args.quick and args.threads is None else args.threads
     run = run_config(args, max_new_tokens=new_tokens, context=max(contexts), threads=threads)
     return BenchPlan(run, contexts, systems, new_tokens, repeats, args.prompt_file, args.out, args.plot,
-                     args.accept_ties, args.quick, args.learned)
+                     args.accept_ties, args.quick, args.learned, args.timeline)
 
 
 def _contexts(flag: str) -> tuple[int, ...]:
@@ -218,6 +223,7 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "modes": stats.get("modes") or None,  # an adaptive system's full passes per mode
         # CUDA captures and compiled widths made inside the timed runs (the warm-up should make them)
         "graphs_in_clock": r.get("graphs_in_clock") if mode in ALL_OURS else None,
+        "timeline": r.get("timeline"),  # --timeline: ms a token by what the device did (bench/timeline.py)
         "tokens": r["tokens"],  # which run resolved a tie which way, when the tokens differ
     }
     return row
@@ -271,7 +277,18 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
                 results[mode]["graphs_in_clock"] += made
             results[mode]["times"].append(seconds)
             results[mode]["stats"] = stats
+    if plan.timeline:
+        for mode in [m for m in systems if m not in HF]:
+            results[mode]["timeline"] = profiled_run(gens[mode], prefilled, plan.learned)
     return results
+
+
+def profiled_run(gen, prefilled, learned: bool) -> dict:
+    """bench/timeline.py's summary of one more run of `gen`, as a timed run starts."""
+    def run() -> int:
+        gen.resume(prefilled.prompt, prefilled.queries, prefilled.first, learned=learned)
+        return len(gen.generate(timeline.TOKENS + 1)) - 1  # the first token came from the prefill
+    return timeline.profile_run(run, gen.device.type == "cuda")
 
 
 def mismatch(session, prefilled, hf, mode: str, result: dict, reference) -> dict:

@@ -5,6 +5,7 @@ import os
 import platform
 from pathlib import Path
 
+from bench import timeline
 from bench.measure import ALL_OURS
 from triforce.speculative.stats import ROUND
 
@@ -88,6 +89,14 @@ def print_table(console, rows, title="decode throughput, side by side"):
         cells += [_floor_cell(r.get("link_floor"))] * floor
         levels.add_row(*cells)
     console.print(levels)
+    timelines = timeline.table_rows(ran)
+    if timelines:
+        spent = _table("one profiled run per system, ms a token: the device's wall, kernels, host->device "
+                       "copies, copies hidden under kernels, busy, idle (bench/timeline.py)",
+                       ("ctx", "system", "wall", "kernels", "h2d", "overlap", "busy", "idle"))
+        for cells in timelines:
+            spent.add_row(*cells)
+        console.print(spent)
     for line in _notes(rows):
         console.print(line, width=100)
 

@@ -98,6 +98,12 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
                    "--gamma2", "6", "--systems", "autoregressive,retrieval,adaptive"]
     out.append(("gamma2 6 kv host greedy", [*short_gamma, *greedy]))
     out.append(("gamma2 6 kv host sampled", [*short_gamma, *sampled]))
+    # where the time goes (bench/timeline.py: kernels, copies, their overlap, the device idle): plain
+    # decoding in host memory at 4K ran 1.36x its link floor a token, the pass alone 1.27x (session
+    # 36), and the adaptive default spent 0.2-0.6 ms a token more than its passes' sum (session 37)
+    timeline = ["--systems", "autoregressive,adaptive", "--timeline"]
+    out.append(("timeline kv host", [*host, *timeline, *greedy]))
+    out.append(("timeline kv gpu", [*resident, *timeline, *sampled]))
     # fewer kernels a pass (issue 22 item 5) where the targets are missed: the proposing levels'
     # passes compiled with the KV in host memory at 32K (the full level's offloaded pass is captured,
     # never compiled), beside the same modes uncompiled in one run

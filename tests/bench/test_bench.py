@@ -96,6 +96,19 @@ def test_bench_learned_keeps_the_adaptive_choosers_figures(tmp_path, models):
     assert got["adaptive"]["graphs_in_clock"] == 0
 
 
+def test_bench_timeline_adds_one_more_run_per_system(tmp_path, models, capsys):
+    """--timeline: one more run per system of ours (on CPU timed alone: no device to profile), in the
+    rows and a third table; transformers' systems get none."""
+    target, _, book = models
+    rc, data = _run(tmp_path, "--model", str(target), "--draft", "self", "--prompt-file", str(book),
+                    "--contexts", "128", "--systems", "autoregressive,adaptive,hf-generate", "--timeline")
+    assert rc == 0
+    got = {r["system"]: r["timeline"] for r in data["rows"]}
+    assert got["hf-generate"] is None
+    assert all(got[s]["device_activity"] is False and got[s]["host_wall"] > 0 for s in ("autoregressive", "adaptive"))
+    assert "one profiled run per system" in " ".join(capsys.readouterr().out.split())
+
+
 def test_a_graph_made_inside_the_clock_is_reported(tmp_path, models, monkeypatch, capsys):
     """A timed run that captures or compiles a graph (a pass width the warm-up did not meet) pays
     for it inside the clock: the row counts them and a note says so (the H200's adaptive rows ran

@@ -23,7 +23,7 @@ def test_the_plan_covers_the_figures():
     commands = [" ".join(argv) for argv in plan.values()]
     for offload in ("none", "host"):
         runs = [c for c in commands if f"--offload {offload}" in c and "bfloat16" in c and "compiled" not in c
-                and "--draft lookup" not in c and "--gamma2" not in c]
+                and "--draft lookup" not in c and "--gamma2" not in c and "--timeline" not in c]
         assert len(runs) == 2 and sum("--temperature" in c for c in runs) == 1
         assert all("4096,32768" in c and gpu_figures.OURS in c for c in runs)
         # the adaptive default beside the same without lookups, with the KV in host memory
@@ -46,9 +46,10 @@ def test_the_plan_covers_the_figures():
     assert "--temperature 0.8" in " ".join(plan["compiled kv host sampled"])
     # the missing figures first: host greedy (our drafter, then drafts looked up: the triforce target's
     # best chance), then the resident cache against transformers' static one
-    assert [n for n in plan][2:10] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
+    assert [n for n in plan][2:12] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
                                     "kv gpu greedy", "gamma2 6 kv host greedy", "gamma2 6 kv host sampled",
-                                    "compiled kv host greedy"]
+                                    "timeline kv host", "timeline kv gpu", "compiled kv host greedy"]
+    assert all("--timeline" in plan[f"timeline kv {w}"] for w in ("host", "gpu"))
     for name, flags in (("lookup kv host greedy", "--accept-ties"), ("lookup kv host sampled", "--temperature 0.8")):
         line = " ".join(plan[name])
         assert "--draft lookup" in line and "--contexts 32768 --offload host" in line and flags in line
@@ -143,7 +144,7 @@ def test_a_timed_out_steps_output_is_text():
 def test_a_staged_book_reaches_every_bench_step():
     plan = gpu_figures.steps("m", 64, prompt_file="models/.stage/b/book.txt")
     benches = [argv for _, argv in plan if argv[0] == "bench.bench"]
-    assert len(benches) == 12 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
+    assert len(benches) == 14 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
     assert not any("--prompt-file" in argv for _, argv in gpu_figures.steps("m", 64))
 
 
