@@ -223,6 +223,8 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "modes": stats.get("modes") or None,  # an adaptive system's full passes per mode
         # CUDA captures and compiled widths made inside the timed runs (the warm-up should make them)
         "graphs_in_clock": r.get("graphs_in_clock") if mode in ALL_OURS else None,
+        # an adaptive system: each mode's predicted ms a token at its best gamma, and all it had learned
+        "estimates": stats.get("estimates") or None, "chooser_state": r.get("chooser_state"),
         "timeline": r.get("timeline"),  # --timeline: ms a token by what the device did (bench/timeline.py)
         "tokens": r["tokens"],  # which run resolved a tie which way, when the tokens differ
     }
@@ -277,6 +279,9 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
                 results[mode]["graphs_in_clock"] += made
             results[mode]["times"].append(seconds)
             results[mode]["stats"] = stats
+            chooser = None if mode in HF else gens[mode].chooser
+            if chooser is not None:  # what it believed after the run: its choices can be replayed offline
+                results[mode]["chooser_state"] = chooser.state()
     if plan.timeline:
         for mode in [m for m in systems if m not in HF]:
             results[mode]["timeline"] = profiled_run(gens[mode], prefilled, plan.learned)

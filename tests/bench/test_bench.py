@@ -94,6 +94,11 @@ def test_bench_learned_keeps_the_adaptive_choosers_figures(tmp_path, models):
     got = {r["system"]: r for r in data["rows"]}
     assert got["adaptive"]["same_tokens"] is True and got["adaptive"]["modes"]
     assert got["adaptive"]["graphs_in_clock"] == 0
+    # what its chooser believed and had learned, for replaying its choices; none for a fixed mode
+    estimates, state = got["adaptive"]["estimates"], got["adaptive"]["chooser_state"]
+    assert estimates["autoregressive"]["gamma"] == 0 and estimates["autoregressive"]["ms_per_token"] > 0
+    assert state["costs"]["verify"]["1"] > 0 and state["acceptance"]
+    assert got["autoregressive"]["chooser_state"] is None and got["autoregressive"]["estimates"] is None
 
 
 def test_bench_timeline_adds_one_more_run_per_system(tmp_path, models, capsys):
