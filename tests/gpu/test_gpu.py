@@ -395,6 +395,7 @@ def test_a_float32_query_cudnn_refuses_takes_the_split_keys(monkeypatch):
     keys, values = (torch.randn(32768, 3, 64, generator=g).cuda().transpose(0, 1) for _ in "kv")
     mask = static_view_mask(1, 32768, 30000, torch.float32).cuda()
     assert not attention.grouped_takes_cudnn(q, keys, values, mask)
+    assert not attention.takes_cudnn(q, keys, values, mask, grouped=False)
     taken = []
     real = split_keys.split_keys_attention
     monkeypatch.setattr(split_keys, "split_keys_attention", lambda *a, **k: taken.append(1) or real(*a, **k))

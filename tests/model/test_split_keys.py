@@ -71,6 +71,23 @@ def test_a_prefill_pieces_causal_bias_never_takes_the_split_form(monkeypatch):
     assert taken == [1]
 
 
+@pytest.mark.parametrize("cudnn,route", [((True, True), "grouped"), ((False, True), "view"), ((False, False), "split")])
+def test_one_query_takes_cudnn_in_either_form_before_the_split_keys(monkeypatch, cudnn, route):
+    """One query: cuDNN's grouped-heads call, else cuDNN through the shared-heads view, and only where
+    cuDNN takes neither (float32) the split keys, not the memory-efficient kernel's few blocks."""
+    from triforce.model import attention
+
+    monkeypatch.setattr(split_keys, "serves", lambda T, S, q: True)
+    monkeypatch.setattr(attention, "takes_cudnn", lambda q, k, v, m, grouped: cudnn[not grouped])
+    monkeypatch.setattr(attention, "grouped_takes_cudnn", lambda q, k, v, m: cudnn[0])
+    taken = []
+    for name, target in (("grouped", "attend_grouped_flag"), ("view", "shared_heads_sdpa")):
+        monkeypatch.setattr(attention, target, lambda *a, name=name: taken.append(name))
+    monkeypatch.setattr(split_keys, "split_keys_attention", lambda *a, **k: taken.append("split"))
+    attention.attend_shared_heads(torch.randn(1, 4, 8), torch.randn(2, 16, 8), torch.randn(2, 16, 8), torch.zeros(1, 16))
+    assert taken == [route]
+
+
 VIEWS = {"view", "_unsafe_view", "permute", "transpose", "expand", "unsqueeze", "alias", "slice", "empty"}
 
 

@@ -209,13 +209,18 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Two exceptions, from the H200's op forms (session 35): a verification pass of 2 or more queries
     over 4,096 keys or more splits the keys into pieces (model/split_keys.py); and a one-query step
     takes the grouped-heads call where cuDNN's kernel accepts it, which split the keys itself: 12.6
-    us a layer at 32K keys against 26.0 for the zero-stride view (6.5 against 8.1 at 4K)."""
+    us a layer at 32K keys against 26.0 for the zero-stride view (6.5 against 8.1 at 4K). A one-query
+    step that cuDNN takes in neither form (float32) splits the keys too (session 37: the memory-
+    efficient kernel made float32 plain decoding in host memory 120 ms a pass at 32K)."""
     refused = (q.dtype, torch.is_tensor(mask))
     # a plain (T, S) tensor: CausalBias (a later prefill piece's) is a Tensor subclass, and importing
     # its module to test for it imports torch._dynamo, a second of every run's start
     dense = type(mask) is torch.Tensor
-    if q.shape[0] == 1 and dense and grouped_takes_cudnn(q, keys, values, mask):
-        return attend_grouped_flag(q, keys, values, mask)
+    if q.shape[0] == 1 and dense:
+        if grouped_takes_cudnn(q, keys, values, mask):
+            return attend_grouped_flag(q, keys, values, mask)
+        if takes_cudnn(q, keys, values, mask, grouped=False):  # cuDNN splits the keys in this form too
+            return shared_heads_sdpa(q, keys, values, mask)
     if dense and split_keys.serves(q.shape[0], keys.shape[1], q) and q.dtype not in _SPLIT_REFUSED:
         # a verification pass over a long cache: the keys in pieces, or 9 thread blocks walk 32K keys
         try:
@@ -263,25 +268,34 @@ def fused_kernels_taking(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         ("cudnn", backends.can_use_cudnn_attention))}
 
 
-_CUDNN_GROUPED: dict[tuple, bool] = {}  # (dtype, heads, D, layout, length's bits): whether cuDNN takes a one-query grouped call
+# (form, dtype, heads, D, layout, length's bits): whether cuDNN takes a one-query call in that form
+_CUDNN_TAKES: dict[tuple, bool] = {}
 
 
 def grouped_takes_cudnn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> bool:
-    """Whether cuDNN's kernel takes this one-query call in the grouped-heads form; asked once per shape,
-    eagerly (a pass's first calls are), and never under a trace."""
+    """Whether cuDNN's kernel takes this one-query call in the grouped-heads form."""
+    return takes_cudnn(q, keys, values, mask, grouped=True)
+
+
+def takes_cudnn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, grouped: bool) -> bool:
+    """Whether cuDNN's kernel takes this one-query call in the grouped-heads form or the shared-heads
+    view; asked once per shape, eagerly (a pass's first calls are), and never under a trace. Where
+    neither form gets cuDNN (float32; a GPU or head size it does not serve), the split keys serve:
+    the memory-efficient kernel walks the keys in a few blocks."""
     if not q.is_cuda:
         return False
     # the layout (the full cache's head-major buffer, an offloaded slot's token-major one) and the
     # length's power of two go in the key: a kernel's checks read strides and sizes
-    key = (q.dtype, q.shape[1], keys.shape[0], q.shape[2], keys.stride(1) == keys.shape[2], keys.shape[1].bit_length())
-    if key not in _CUDNN_GROUPED:
+    key = (grouped, q.dtype, q.shape[1], keys.shape[0], q.shape[2], keys.stride(1) == keys.shape[2],
+           keys.shape[1].bit_length())
+    if key not in _CUDNN_TAKES:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
         try:
-            _CUDNN_GROUPED[key] = fused_kernels_taking(q, keys, values, mask, grouped=True)["cudnn"]
+            _CUDNN_TAKES[key] = fused_kernels_taking(q, keys, values, mask, grouped=grouped)["cudnn"]
         except (RuntimeError, TypeError, AttributeError):  # a torch without these checks (SDPAParams' fields moved)
-            _CUDNN_GROUPED[key] = False
-    return _CUDNN_GROUPED[key]
+            _CUDNN_TAKES[key] = False
+    return _CUDNN_TAKES[key]
 
 
 def shared_heads_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:

@@ -37,8 +37,8 @@ def _cuda_kernel(q, k, v, bias):
 
 def serves(T: int, S: int, q: torch.Tensor) -> bool:
     """Whether a call of T queries against S keys takes this form: verification passes over long
-    caches on CUDA. One query comes here only where cuDNN's grouped-heads call, which splits the keys
-    itself (13 us at 32K on the H200), refused it (attention.attend_shared_heads asks first): float32,
+    caches on CUDA. One query comes here only where cuDNN, which splits the keys itself (13 us at 32K
+    on the H200), refused it in both forms (attention.attend_shared_heads asks first): float32,
     which cuDNN's kernel does not take, or a GPU or head size it does not serve. The memory-efficient
     kernel then walked the keys in 9 blocks: float32 plain decoding with the KV in host memory at 32K
     took 120 ms a pass against a 27 ms link floor, where 5-token passes through this form took 28."""
