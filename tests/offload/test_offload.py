@@ -339,6 +339,32 @@ def test_graph_path_gives_the_same_tokens(pair, mode, offloaded, onchip, monkeyp
         assert len(spans) >= 2 and all(s % 16 == 0 or s == gen.full.cache.capacity for s in spans), spans
 
 
+@pytest.mark.parametrize("onchip", [0, 1])
+def test_the_retrieval_cache_absorbs_a_graphed_passs_tokens_from_the_device(pair, onchip, monkeypatch):
+    """After each graphed pass the retrieval cache takes the committed tokens' K/V from the graph's
+    device buffers, not the store: on CUDA the store's copy cost a wait on the write-back and a
+    blocking host-to-device copy every pass. The same tokens and acceptance as the resident cache
+    (float64), and the store is read for rebuilds only (chunk means and a gather per layer)."""
+    from triforce.offload.store import OffloadedCache
+
+    target, _ = pair
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(8)).tolist()
+    ref, ref_gen, _ = run(Models(target, None), "retrieval", ids, CFG)
+    reads = []
+    real = OffloadedCache._to_device
+    monkeypatch.setattr(OffloadedCache, "_to_device", lambda self, t, host: reads.append(host) or real(self, t, host))
+    factory = full_cache_factory("cpu", CFG.prefill_chunk, onchip_layers=onchip)
+    gen = Generator(Models(target, None), CFG, "retrieval", len(ids) + CFG.max_new_tokens, full_cache_factory=factory)
+    enable_cuda_graphs(gen, eager_static=True)
+    gen.prefill(ids)
+    reads.clear()  # the prefill's first retrieval build
+    built = gen.stats.rebuilds
+    assert gen.generate() == ref and dict(gen.stats.accepted) == dict(ref_gen.stats.accepted)
+    assert gen.stats.rebuilds == ref_gen.stats.rebuilds > built
+    # a rebuild reads chunk means, keys and values of each offloaded layer; absorbing reads nothing
+    assert sum(reads) == 3 * (4 - onchip) * (gen.stats.rebuilds - built)  # host=True: a copy from the store
+
+
 def test_a_graphed_offloaded_pass_moves_whole_buckets(pair, monkeypatch):
     """Autoregressive decoding through the offloaded view: every pass brings each offloaded layer's
     bucket of tokens and sends its one new token back, counted where the copies are issued."""

@@ -7,8 +7,10 @@ speculative 20.0, retrieval 28.0, triforce 72.0 greedy at gamma1 4, gamma2 6 in 
 now every mode pays the one read of the round's tokens; triforce with host-driven rounds (the CPU
 default) one more per middle-level pass (its acceptance decides where the drafter goes next), with
 device rounds (rounds.py, the GPU default) none. With the full cache offloaded, a round that
-updates the retrieval cache also waits for the write-backs before reading the host store (one
-wait per absorb, two per layer on a rebuild): not yet removed, counted here so it cannot grow.
+updates the retrieval cache also waits for the write-backs before reading the host store: two per
+layer on a rebuild, and one per absorb where the offloaded pass ran eagerly (no CUDA graphs: tensor
+parallelism, --no-cuda-graphs); through its graph (the single-GPU default) an absorb reads the
+graph's device buffers and waits for nothing (session 37). Counted here so they cannot grow.
 """
 import itertools
 
@@ -61,8 +63,10 @@ def rounds(pair, mode, temperature, offload, adaptive=False, device_rounds=False
             offload_waits, rebuilds = counter.by_site["offload write-back wait"], gen.stats.rebuilds
             gen.step()
             offload_waits = counter.by_site["offload write-back wait"] - offload_waits
-            # the retrieval upkeep reads the host store: once per absorb, twice per layer on a rebuild
-            upkeep = 0 if not offload or gen.middle is None else 2 * layers if gen.stats.rebuilds > rebuilds else 1
+            # the retrieval upkeep reads the host store: twice per layer on a rebuild, once per absorb
+            # after an eager offloaded pass (after a graphed one it reads the graph's device buffers)
+            upkeep = 0 if not offload or gen.middle is None else 2 * layers if gen.stats.rebuilds > rebuilds \
+                else 0 if device_rounds == "whole" else 1
             assert offload_waits == upkeep
             # the middle level verifies only in a triforce round (in a retrieval round it drafts)
             verifying = mode == "triforce" and (not adaptive or gen.stats.modes["triforce"] > triforce)

@@ -67,6 +67,9 @@ class OffloadedCache:
         # tokens on their way back to the store, its pinned staging per width, and who ran last
         self._finite = 0
         self._fresh: tuple | None = None
+        # the last graphed pass's new K/V still in the graph's device buffers: (first position, k, v),
+        # each (offloaded layers, T, Hkv, D), read by `slice` until the next pass overwrites them
+        self._fresh_device: tuple | None = None
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphed = False
 
@@ -126,6 +129,8 @@ class OffloadedCache:
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
+        if self._fresh_device is not None and self._fresh_device[0] >= length:
+            self._fresh_device = None
         if self.streamer:
             self.streamer.truncate(length)
 
@@ -162,6 +167,7 @@ class OffloadedCache:
         pass's first slot (the length)."""
         self._check_room(T)
         self.flush_fresh()
+        self._fresh_device = None  # this pass's replay rewrites those buffers
         if self.streamer:
             self.streamer.hand_over()
         self._graphed = True
@@ -200,6 +206,7 @@ class OffloadedCache:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
             self._fresh = (self.length, T, stage, done)
+            self._fresh_device = (self.length, fresh_k, fresh_v)
             self.counters.add_d2h(2 * T * self.store.token_bytes * self.store.k.shape[0])
         self.length += T
         self._finite = max(self._finite, self.length)
@@ -252,9 +259,16 @@ class OffloadedCache:
         return self._to_device(k[rows, heads], host), self._to_device(v[rows, heads], host)
 
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V (layers, Hkv, end-start, D) of tokens [start, end)."""
+        """K, V (layers, Hkv, end-start, D) of tokens [start, end). Tokens the last graphed pass made
+        (what the retrieval cache absorbs after every pass) come from the graph's device buffers: from
+        the store they cost a wait on the write-back, a host copy and a blocking host-to-device copy
+        out of pageable memory each pass."""
         ks = [self.resident_k[:, start:end].transpose(1, 2)]
         vs = [self.resident_v[:, start:end].transpose(1, 2)]
+        fresh = self._fresh_device
+        if self.streamer and fresh is not None and fresh[0] <= start and end <= fresh[0] + fresh[1].shape[1]:
+            rows = slice(start - fresh[0], end - fresh[0])
+            return torch.cat(ks + [fresh[1][:, rows].transpose(1, 2)]), torch.cat(vs + [fresh[2][:, rows].transpose(1, 2)])
         self.flush_fresh()
         if self.streamer:
             self.streamer.sync_host()
