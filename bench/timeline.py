@@ -89,7 +89,9 @@ def profile_run(run: Callable[[], int], cuda: bool) -> dict:
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the device's records only: no per-op CPU ones
+    # the CPU activity too, as bench/kernels.py profiles on CUDA: its device records are known to come
+    # back as events there (graph replays launch few CPU ops to record)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         tokens = run()
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
