@@ -288,6 +288,22 @@ def test_a_full_cache_width_compiles_one_graph(tmp_path):
         tokens = (torch.arange(5) * 3 + i) % 60 + 3
         torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] - before == 1
+    assert compiled.captures == 1
     view = next(iter(compiled.views.values()))
     assert all(q is not None for q in view.queries)
     torch.testing.assert_close(cache.queries[0], reference.queries[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rope_table_the_first_pass_grows_is_compiled_over_once(tmp_path):
+    """The eager pass that allocates a full cache's query buffers may grow a CPU RoPE table (a position
+    past its end): the graph is traced over the grown table, not compiled again on the next call."""
+    from triforce.speculative.graphs import HOT_AFTER
+
+    model, cache, reference, compiled = compiled_beside_eager(tmp_path, seed=4)
+    for i in range(HOT_AFTER + 2):
+        if i == HOT_AFTER - 1:  # the call that compiles: its positions run past the table
+            model.rotary.length = cache.length + 2
+            model.rotary._tables.clear()
+        tokens = (torch.arange(5) * 3 + i) % 60 + 3
+        torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
+    assert model.rotary.length > cache.length - 10 and compiled.captures == 1

@@ -205,6 +205,12 @@ class GraphedModel:
         forward (compiled or eager). Device rounds (rounds.py) call this with their own views."""
         key = (id(view), last_only)
         c = self.captured.get(key)
+        if c is None and self.compiled and view.queries is not None and any(q is None for q in view.queries):
+            # one eager pass allocates the query buffers (and grows a CPU RoPE table as far as this
+            # pass reads), so the graph traces them as inputs once; traced without them it compiled
+            # twice, and on CUDA the second compile fell inside the capture, which CUDA refuses
+            with torch.no_grad():
+                self.model(pad_tokens(tokens, view.T), view, last_only)
         table = getattr(getattr(self.model, "rotary", None), "length", 0)
         if c is None or (c.positions != table and not tokens.is_cuda):  # a CPU table grew: compile anew
             c = self.captured[key] = _Captured(view, torch.zeros_like(tokens), positions=table)
@@ -212,12 +218,6 @@ class GraphedModel:
             if self.compiled and not (tokens.is_cuda and not self.eager_static):
                 self.captures += 1  # this call compiles: not a sample of the pass's cost
                 made["graphs"] += 1
-            if self.compiled and view.queries is not None and any(q is None for q in view.queries):
-                # one eager pass allocates the query buffers, so the graph traces them as inputs once;
-                # traced without them it compiled twice, and on CUDA the second compile fell inside
-                # the capture (one warm-up for a later width), which CUDA refuses
-                with torch.no_grad():
-                    self.model(pad_tokens(tokens, view.T), view, last_only)
         c.tokens.copy_(tokens)
         if not tokens.is_cuda or self.eager_static:
             logits = c.forward(c.tokens)
