@@ -425,3 +425,29 @@ def test_one_query_takes_the_grouped_call_where_cudnn_does(S):
         captured = attention.attend_shared_heads(q, keys, values, mask)
     graph.replay()
     assert torch.equal(captured, got)
+
+
+@cuda
+@pytest.mark.parametrize("cache", ["resident", "offloaded"])
+@pytest.mark.parametrize("graphs", [None, "cuda"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_plain_decoding_queued_ahead_gives_steps_tokens_on_cuda(models, cache, graphs, temperature):
+    """On CUDA the next pass really runs while the host reads a token (engine._queued_tokens): the
+    tokens of step() by step(), a stop included, and the same second answer after it."""
+    from dataclasses import replace
+
+    target, _ = models
+    answers = []
+    for ahead in (False, True):
+        cfg = replace(CFG, temperature=temperature, seed=7, queue_ahead=ahead)
+        factory = full_cache_factory("cuda", CFG.prefill_chunk, chunk_tokens=7) if cache == "offloaded" else None
+        out, gen, _ = run(Models(target, None), "autoregressive", factory, graphs, cfg)
+        stop = frozenset({out[9]})
+        gen.truncate(len(gen.context) - len(out) + 1)  # back to the first token, then stop early
+        first = gen.generate(stop_ids=stop)
+        second = [gen.extend([3, 4, 5])] + gen.generate()[1:]
+        answers.append((out, first, second))
+    assert answers[0] == answers[1]
+    if temperature == 0:  # greedy: the same answer again, up to its stop
+        out, first, _ = answers[0]
+        assert first == out[:len(first)] and len(first) <= 10

@@ -52,6 +52,9 @@ class GenerationConfig:
     stop_on_eos: bool = False
     # triforce's drafter->middle rounds with no host read inside (rounds.py): None decides by device
     device_rounds: bool | None = None
+    # plain decoding queues each full pass before the host reads the token the last one sampled
+    # (engine.Generator._queued_tokens): None decides by device
+    queue_ahead: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -86,6 +89,16 @@ class GenerationConfig:
         rounds waste no proposals)."""
         if self.device_rounds is not None:
             return self.device_rounds
+        return str(device).startswith("cuda")
+
+    def queues_ahead(self, device) -> bool:
+        """Whether plain decoding keeps a pass queued ahead of the host: the setting, else on a GPU,
+        where the host's work between passes (reading the token, committing it, launching the next
+        pass: 0.16 ms a token at 4K on the H200) otherwise leaves the device idle. On CPU a pass is
+        done when its call returns, so there is nothing to overlap, and a pass queued past a stop
+        token would only be wasted."""
+        if self.queue_ahead is not None:
+            return self.queue_ahead
         return str(device).startswith("cuda")
 
     @property

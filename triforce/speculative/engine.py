@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 from contextlib import nullcontext
 from typing import Callable
 
@@ -36,7 +37,8 @@ from triforce.model.transformer import Transformer
 from .adaptive import Chooser
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
-from .levels import AutoregressiveProposer, Level, LookupProposer, PassClock, Sampling, Sequence, SpeculativeProposer
+from .levels import (AutoregressiveProposer, Level, LookupProposer, PassClock, Sampling, Sequence,
+                     SpeculativeProposer, TokenReads)
 from .lookup import LookupDrafter, MatchIndex
 from .models import CacheSizes, Models, Prefilled, self_drafter
 from .rounds import DeviceRoundProposer
@@ -124,6 +126,9 @@ class Generator:
         self.proposers = {m: self._compose(m) for m in self.modes}
         self.gamma = self.proposers[mode][1]  # the fixed mode's proposals per full pass
         self.max_width = sizes.widest  # the most positions a full pass verifies
+        # plain decoding, fixed, with its next pass queued before the host reads a token (_queued_tokens)
+        self.reads = TokenReads(self.device) if mode == "autoregressive" and self.chooser is None \
+            and cfg.queues_ahead(self.device) else None
         self.context: list[int] = []  # the host's copy of seq.ids[:committed], extended once per round
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
         if prefilled:
@@ -336,9 +341,10 @@ class Generator:
             on_tokens([self.context[-1]], [self.full.name])
         moved = self.full.cache.bytes_moved  # an offloaded cache counts its copies
         start = time.perf_counter()
+        queued = self._queued_tokens(budget - len(out)) if self.reads is not None else None
         with self._decode_threads():
             while len(out) < budget and out[-1] not in stop_ids:
-                new = self.step()
+                new = next(queued) if queued is not None else self.step()
                 new = new[:budget - len(out)]
                 for i, t in enumerate(new):
                     if t in stop_ids:
@@ -347,6 +353,8 @@ class Generator:
                 out += new
                 if on_tokens:
                     on_tokens(new, self.origins[:len(new)])
+            if queued is not None:
+                queued.close()  # a pass queued past the last token taken is forgotten
         # no synchronize: every round ended with its tokens on the host; upkeep queued after them
         # (a retrieval absorb) is paid by whoever next waits
         self.stats.decode_seconds += time.perf_counter() - start
@@ -410,6 +418,47 @@ class Generator:
         if self.chooser is not None:
             self.chooser.finished(mode, time.perf_counter() - start, len(new))
         return new
+
+    def _queued_tokens(self, wanted: int):
+        """Plain decoding with one full pass queued ahead of the host: the pass that samples token i+1
+        is queued before the host waits for token i (TokenReads: that wait covers token i's pass only),
+        so the host's work between passes - reading, committing, streaming, launching - overlaps the
+        device's. Each pass's input is the token the last one wrote into the sequence on the device.
+        Yields each token as [token]: what step() returns in plain decoding, token for token (the same
+        passes, the same draws in the same order).
+
+        Closed after its last token (a stop id, the budget), a pass queued past it is forgotten: the
+        full cache is left as step() leaves it (its last token not yet held) and the sampler's
+        generator as it was before that pass drew. Its K/V write lands past the committed length."""
+        queued: deque = deque()  # (token slot, the generator's state before the pass drew) per queued pass
+        made = 0
+        try:
+            while made < wanted:
+                while len(queued) < 2 and made + len(queued) < wanted:
+                    queued.append(self._queue_pass(len(self.context) + len(queued)))
+                slot, _ = queued.popleft()
+                token = self.reads.read(slot)
+                made += 1
+                self.context.append(token)
+                self.committed = len(self.context)
+                self.full.report(in_flight=len(queued))
+                self.origins = [self.full.name]
+                yield [token]
+        finally:
+            if queued:
+                if queued[0][1] is not None:
+                    self.sampling.generator.set_state(queued[0][1])
+                self.full.rollback(self.committed - 1)
+                del self.full.timings[len(self.full.timings) - len(queued):]
+
+    def _queue_pass(self, c: int) -> tuple[int, torch.Tensor | None]:
+        """Queue the full pass over the sequence's first c tokens, the sampling of token c and its copy
+        to the host, without waiting for anything."""
+        state = None if self.sampling.sampler.greedy else self.sampling.generator.get_state()
+        logits = self.full.run(self.seq, c, 1)
+        token, _ = self.sampling.pick(logits)
+        self.seq.write(c, token)
+        return self.reads.send(token), state
 
     def _propose(self, proposer, c: int, gamma: int):
         """(positions the full pass verifies, their proposers' distributions or None, and the device

@@ -82,6 +82,34 @@ class PassClock:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
+class TokenReads:
+    """Device tokens brought to the host one at a time, each without waiting for what was queued
+    after it: a token is copied into a pinned slot of its own behind an event, and the host waits on
+    that event alone (tolist() would wait for every pass queued since). On CPU the copy is done when
+    it returns."""
+
+    def __init__(self, device: torch.device, slots: int = 2):
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(slots, dtype=torch.long, pin_memory=cuda)
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(slots)]
+        self.next = 0
+
+    def send(self, token: torch.Tensor) -> int:
+        """Queue the copy of a one-token tensor; returns the slot to read it from. A slot is reused
+        `slots` sends later, so at most that many may wait to be read."""
+        slot, self.next = self.next, (self.next + 1) % len(self.events)
+        self.host[slot:slot + 1].copy_(token.reshape(1), non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        return slot
+
+    def read(self, slot: int) -> int:
+        """The token sent to `slot`, once its copy has landed (the round's one wait)."""
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return int(self.host[slot])
+
+
 class Level:
     """A model running against one cache, which holds the K/V of the sequence's first `held` positions;
     the first `agreed` of them still hold the sequence's current tokens. `catch_up`: the most tokens
@@ -149,15 +177,17 @@ class Level:
         if self.stats.phase != "prefill":
             self.timings.append((name or self.name, tokens, start, self.clock.now(), typical, count))
 
-    def report(self) -> None:
-        """Hand the passes' times to the statistics and the chooser, once the host has waited anyway."""
-        for name, tokens, start, end, typical, count in self.timings:
+    def report(self, in_flight: int = 0) -> None:
+        """Hand the passes' times to the statistics and the chooser, once the host has waited anyway;
+        the last `in_flight` passes were queued after what the host waited for and are kept."""
+        done = len(self.timings) - in_flight
+        for name, tokens, start, end, typical, count in self.timings[:done]:
             seconds = self.clock.seconds(start, end)
             self.stats.add_pass(name, seconds, count)
             if self.meter is not None:
                 for _ in range(count):
                     self.meter.passed(name, tokens, seconds / count, typical=typical)
-        self.timings.clear()
+        del self.timings[:done]
 
     def rollback(self, length: int) -> None:
         if length < self.held:
