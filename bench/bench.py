@@ -226,6 +226,7 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         # an adaptive system: each mode's predicted ms a token at its best gamma, and all it had learned
         "estimates": stats.get("estimates") or None, "chooser_state": r.get("chooser_state"),
         "timeline": r.get("timeline"),  # --timeline: ms a token by what the device did (bench/timeline.py)
+        "engine": r.get("engine"),  # how its passes ran (engine_facts)
         "tokens": r["tokens"],  # which run resolved a tie which way, when the tokens differ
     }
     return row
@@ -279,6 +280,8 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
                 results[mode]["graphs_in_clock"] += made
             results[mode]["times"].append(seconds)
             results[mode]["stats"] = stats
+            if mode not in HF:
+                results[mode]["engine"] = engine_facts(gens[mode])
             chooser = None if mode in HF else gens[mode].chooser
             if chooser is not None:  # what it believed after the run: its choices can be replayed offline
                 results[mode]["chooser_state"] = chooser.state()
@@ -286,6 +289,17 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
         for mode in [m for m in systems if m not in HF]:
             results[mode]["timeline"] = profiled_run(gens[mode], prefilled, plan.learned)
     return results
+
+
+def engine_facts(gen) -> dict:
+    """How one of our systems' passes ran, which its speed depends on: plain decoding with a pass
+    queued ahead of the host (engine.Generator._queued_tokens), and where the full cache is offloaded
+    whether its graphed passes write the host store themselves ('mapped') or through staging."""
+    cache = gen.full.cache
+    writes = None
+    if getattr(cache, "streamer", None) is not None:
+        writes = "mapped" if cache.mapped is not None else "staged"
+    return {"queued_ahead": gen.reads is not None, "store_writes": writes}
 
 
 def profiled_run(gen, prefilled, learned: bool) -> dict:

@@ -99,6 +99,9 @@ def test_bench_learned_keeps_the_adaptive_choosers_figures(tmp_path, models):
     assert estimates["autoregressive"]["gamma"] == 0 and estimates["autoregressive"]["ms_per_token"] > 0
     assert state["costs"]["verify"]["1"] > 0 and state["acceptance"]
     assert got["autoregressive"]["chooser_state"] is None and got["autoregressive"]["estimates"] is None
+    # on CPU plain decoding waits for each token before the next pass (queued ahead on a GPU), and
+    # the full cache is resident here: no store to write
+    assert got["autoregressive"]["engine"] == {"queued_ahead": False, "store_writes": None}
 
 
 def test_bench_timeline_adds_one_more_run_per_system(tmp_path, models, capsys):

@@ -315,20 +315,38 @@ def test_a_padded_pass_hands_back_only_its_own_tokens(pair, offloaded):
     assert {key[1] for key in wide.views} == {16, 4, 8, 1}  # 9 -> 16, 3 -> 4, 5 -> 8
 
 
+def staged(factory):
+    """`factory`'s offloaded caches with the store unmapped: a graphed pass's new K/V go back through
+    pinned staging (OffloadedCache.graph_end), as on a GPU where the store cannot be mapped."""
+    def make(*args):
+        cache = factory(*args)
+        cache.mapped = None
+        return cache
+    return make
+
+
 @pytest.mark.parametrize("mode", ["autoregressive", "speculative", "retrieval", "triforce"])
-@pytest.mark.parametrize("offloaded,onchip", [(False, 0), (True, 0), (True, 1)])
-def test_graph_path_gives_the_same_tokens(pair, mode, offloaded, onchip, monkeypatch):
+@pytest.mark.parametrize("offloaded,onchip,writes", [(False, 0, None), (True, 0, "mapped"), (True, 1, "mapped"),
+                                                     (True, 0, "staged")])
+def test_graph_path_gives_the_same_tokens(pair, mode, offloaded, onchip, writes, monkeypatch):
     """Every level runs its static view, the offloaded full level too (offload/graphed.py): the same
     tokens and acceptance as the caches' own path, and the retrieval level, scored with the queries
-    the static full pass kept, rebuilt alike. Buckets of 16 tokens: the offloaded passes cross
-    several spans, each a view of its own."""
+    the static full pass kept, rebuilt alike; an offloaded store ends as the caches' own path leaves
+    it, whether the graphs wrote it themselves (mapped, the CPU's and the GPU's default) or through
+    staging. Buckets of 16 tokens: the offloaded passes cross several spans, each a view of its own."""
     monkeypatch.setattr(graphed, "BUCKET", 16)
     target, drafter = pair
     models = Models(target, drafter if mode in ("speculative", "triforce") else None)
     ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(8)).tolist()
     factory = full_cache_factory("cpu", CFG.prefill_chunk, onchip_layers=onchip) if offloaded else None
     ref, ref_gen, _ = run(models, mode, ids, CFG, factory)
-    out, gen, wrapped = run(models, mode, ids, CFG, factory, graphs=True)
+    out, gen, wrapped = run(models, mode, ids, CFG, staged(factory) if writes == "staged" else factory, graphs=True)
+    if offloaded:
+        cache, ref_cache = gen.full.cache, ref_gen.full.cache
+        assert (cache.mapped is not None) == (writes == "mapped") and cache.length == ref_cache.length
+        for layer in range(onchip, target.cfg.num_layers):
+            for a, b in zip(cache.read(layer, 0, cache.length), ref_cache.read(layer, 0, cache.length)):
+                assert torch.equal(a, b)
     assert out == ref and dict(gen.stats.accepted) == dict(ref_gen.stats.accepted)
     assert gen.stats.rebuilds == ref_gen.stats.rebuilds
     levels = [lvl for lvl in (gen.drafter, gen.middle, gen.full) if isinstance(lvl.model if lvl else None, GraphedModel)]
@@ -447,7 +465,6 @@ def test_padded_widths_give_the_same_tokens(pair, mode, adaptive, offloaded, mon
     assert max(widths) > 1 and (offloaded or widths <= set(WIDTHS))
     if offloaded and not adaptive:  # the store holds what the unpadded run's does, up to the length
         n = gen.full.cache.length
-        gen.full.cache.flush_fresh()  # the last graphed pass's K/V, still in pinned staging
         assert n == ref_gen.full.cache.length
         assert torch.equal(gen.full.cache.store.k[:, :n], ref_gen.full.cache.store.k[:, :n])
         assert torch.equal(gen.full.cache.store.v[:, :n], ref_gen.full.cache.store.v[:, :n])

@@ -104,3 +104,26 @@ def test_one_host_read_a_token_and_the_next_pass_queued_before_it(target, monkey
         expected += ["read", ("pass", c + i)]
     expected += ["read", "read"]
     assert events == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_an_interrupted_answer_leaves_what_step_leaves(target, temperature):
+    """Ctrl-C inside an answer (here raised by the token callback, as a chat's display would see it):
+    the pass queued ahead is forgotten at once, before the caller truncates and goes on."""
+    runs = []
+    for ahead in (False, True):
+        gen = generator(target, ahead, temperature, "offloaded, graphed")
+        gen.prefill(PROMPT)
+        seen = []
+
+        def show(new, levels):
+            seen.extend(new)
+            if len(seen) == 6:
+                raise KeyboardInterrupt
+
+        try:
+            gen.generate(on_tokens=show)
+        except KeyboardInterrupt:  # as a chat handles it: the traceback, and generate's frame, still alive
+            gen.truncate(len(gen.context) - 2)
+        runs.append((seen, conversation(gen)))
+    assert runs[0] == runs[1]

@@ -12,9 +12,13 @@ slots with static shapes, so `GraphedModel` (speculative/graphs.py) captures the
                     -> attention over the slot's [:span] under the causal mask -> record freed[j]
 
 `span` is the pass's end rounded up to a bucket of BUCKET tokens: one capture serves a bucket of
-lengths, for at most a bucket of extra tokens a layer on the link. A graph copies to fixed addresses
-only, so the new tokens' K/V go back to the store after the replay (OffloadedCache.graph_end: one
-device->host copy into pinned staging, placed in the store before anything next reads it).
+lengths, for at most a bucket of extra tokens a layer on the link. The new tokens' K/V go to the
+store from inside the graph: a copy node has fixed addresses, but a kernel writes where the view's
+slots say, through the store mapped into the device's address space (OffloadedCache.mapped). So a
+pass leaves the host nothing to do before the next one, which plain decoding queues before reading
+a token (engine.Generator._queued_tokens). Where the store cannot be mapped they go back after the
+replay (OffloadedCache.graph_end: one device->host copy into pinned staging, which the host places
+in the store before the next pass, waiting for this one).
 On CPU (`eager_static`, the tests) the same view runs eagerly with synchronous copies.
 """
 from __future__ import annotations
@@ -103,6 +107,13 @@ class OffloadedView(StaticView):
         return out
 
     def end(self, T: int) -> None:
+        if self.cache.mapped is not None and self.offloaded:
+            # the new tokens' K/V into the store itself (OffloadedCache.mapped): one write for every
+            # layer, after the last layer's copy has landed, so no copy of this pass reads a row it
+            # changes; padded positions' rows land past the pass's tokens, where nothing reads them
+            keys, values = self.cache.mapped
+            keys.index_copy_(1, self.slots, self.fresh_k)
+            values.index_copy_(1, self.slots, self.fresh_v)
         if self.copies is not None:  # join: a capture ends with every forked stream back
             torch.cuda.current_stream(self.copies.device).wait_stream(self.copies)
 
@@ -124,7 +135,7 @@ def graphed_pass(graphed, tokens: torch.Tensor, cache, last_only: bool) -> torch
     view = graphed.view(key, lambda: OffloadedView(cache, width, span))
     view.set(torch.arange(start, start + width, device=view.positions.device), start)
     logits = graphed.run_view(view, pad_tokens(tokens, width), last_only)
-    cache.queries = [q[:T] for q in view.queries]
+    cache.queries = list(view.queries) if T == view.T else [q[:T] for q in view.queries]  # views either way
     cache.graph_end(T, view.fresh_k[:, :T], view.fresh_v[:, :T])
     return logits[:T]
 

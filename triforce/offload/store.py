@@ -40,6 +40,39 @@ class HostStore:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def mapped(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V as tensors on `device` whose kernels write the host memory itself, or None where that
+        does not work. On CPU the store is the device's memory. On CUDA a pinned buffer has one address
+        for the host and every device (unified addressing), so a tensor over that address, made through
+        the CUDA array interface, is one a kernel writes across the link; a probe write through it
+        must land before it is trusted."""
+        if device.type != "cuda":
+            return self.k, self.v
+        try:
+            k, v = _on_device(self.k, device), _on_device(self.v, device)
+            probe = torch.arange(1, 9, dtype=torch.int16, device=device)
+            k.view(-1).view(torch.int16)[:8].index_copy_(0, torch.arange(8, device=device), probe)  # a kernel's write
+            torch.cuda.synchronize(device)
+            landed = torch.equal(self.k.view(-1).view(torch.int16)[:8], probe.cpu())
+        except (RuntimeError, TypeError, ValueError, AttributeError):
+            return None
+        return (k, v) if landed else None
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on `device` over pinned host tensor t's memory (as 16-bit integers through the
+    interface, which names no bfloat16, then viewed as t's dtype)."""
+    class Interface:
+        __cuda_array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape), "version": 3,
+                                    "typestr": f"<i{t.element_size()}",
+                                    "strides": tuple(n * t.element_size() for n in t.stride())}
+
+    with torch.cuda.device(device):
+        alias = torch.as_tensor(Interface(), device=device).view(t.dtype)
+    if alias.data_ptr() != t.data_ptr() or alias.shape != t.shape:
+        raise ValueError("the device tensor is not the store's memory")
+    return alias
+
 
 class OffloadedCache:
     """FullCache's interface over a host store, a streamer and optional device-resident layers."""
@@ -72,6 +105,11 @@ class OffloadedCache:
         self._fresh_device: tuple | None = None
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphed = False
+        # the store as the device's kernels write it: a graphed pass writes its new tokens' K/V there
+        # itself, so the next pass can be queued with nothing for the host to do in between; None:
+        # through pinned staging, which the host moves into place (flush_fresh) before the next pass
+        self.mapped = self.store.mapped(self.device) if self.streamer else None
+        self._written = None  # on CUDA, an event after the last graphed pass's writes into the store
 
     @property
     def capacity(self) -> int:
@@ -189,11 +227,17 @@ class OffloadedCache:
         return span
 
     def graph_end(self, T: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
-        """After a graphed pass: the new tokens' K/V of the offloaded layers (layers, T, Hkv, D), which
-        the graph left in device buffers (it copies to fixed addresses only), start back to the store
-        with one device->host copy into pinned staging; flush_fresh moves them into place before
-        anything next reads the store."""
-        if self.streamer:
+        """After a graphed pass: the new tokens' K/V of the offloaded layers (layers, T, Hkv, D) are in
+        the graph's device buffers, and, where the store is mapped, in the store (the graph wrote
+        them). Else they start back to the store with one device->host copy into pinned staging, which
+        flush_fresh moves into place before anything next reads the store."""
+        if self.streamer and self.mapped is not None:
+            if self.device.type == "cuda":
+                self._written = torch.cuda.Event()
+                self._written.record(torch.cuda.current_stream(self.device))
+            self._fresh_device = (self.length, fresh_k, fresh_v)
+            self.counters.add_d2h(2 * T * self.store.token_bytes * self.store.k.shape[0])
+        elif self.streamer:
             stage = self._staging.get(T)
             if stage is None:
                 pin = self.device.type == "cuda"
@@ -234,9 +278,16 @@ class OffloadedCache:
         j = layer - self.onchip
         if j < 0:
             return self.resident_k[layer], self.resident_v[layer], False
-        self.flush_fresh()
-        self.streamer.sync_host()
+        self._host_may_touch()
         return self.store.k[j], self.store.v[j], True
+
+    def _host_may_touch(self) -> None:
+        """Before the host reads or writes the store: every pass's K/V has landed there."""
+        self.flush_fresh()
+        if self._written is not None:  # a graph's writes through the mapped store
+            self._written.synchronize()
+            self._written = None
+        self.streamer.sync_host()
 
     def _to_device(self, t: torch.Tensor, from_host: bool) -> torch.Tensor:
         if not from_host:
@@ -269,9 +320,8 @@ class OffloadedCache:
         if self.streamer and fresh is not None and fresh[0] <= start and end <= fresh[0] + fresh[1].shape[1]:
             rows = slice(start - fresh[0], end - fresh[0])
             return torch.cat(ks + [fresh[1][:, rows].transpose(1, 2)]), torch.cat(vs + [fresh[2][:, rows].transpose(1, 2)])
-        self.flush_fresh()
         if self.streamer:
-            self.streamer.sync_host()
+            self._host_may_touch()
             ks.append(self._to_device(self.store.k[:, start:end].transpose(1, 2).contiguous(), True))
             vs.append(self._to_device(self.store.v[:, start:end].transpose(1, 2).contiguous(), True))
         return torch.cat(ks), torch.cat(vs)

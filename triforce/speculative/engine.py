@@ -343,18 +343,20 @@ class Generator:
         start = time.perf_counter()
         queued = self._queued_tokens(budget - len(out)) if self.reads is not None else None
         with self._decode_threads():
-            while len(out) < budget and out[-1] not in stop_ids:
-                new = next(queued) if queued is not None else self.step()
-                new = new[:budget - len(out)]
-                for i, t in enumerate(new):
-                    if t in stop_ids:
-                        new = new[:i + 1]
-                        break
-                out += new
-                if on_tokens:
-                    on_tokens(new, self.origins[:len(new)])
-            if queued is not None:
-                queued.close()  # a pass queued past the last token taken is forgotten
+            try:
+                while len(out) < budget and out[-1] not in stop_ids:
+                    new = next(queued) if queued is not None else self.step()
+                    new = new[:budget - len(out)]
+                    for i, t in enumerate(new):
+                        if t in stop_ids:
+                            new = new[:i + 1]
+                            break
+                    out += new
+                    if on_tokens:
+                        on_tokens(new, self.origins[:len(new)])
+            finally:  # also on Ctrl-C in a chat, before it truncates: not later, whenever it is collected
+                if queued is not None:
+                    queued.close()  # a pass queued past the last token taken is forgotten
         # no synchronize: every round ended with its tokens on the host; upkeep queued after them
         # (a retrieval absorb) is paid by whoever next waits
         self.stats.decode_seconds += time.perf_counter() - start

@@ -176,7 +176,7 @@ class GraphedModel:
         view.set(positions, cache.used)
         logits = self.run_view(view, pad_tokens(tokens, width), last_only)
         if view.queries is not None:
-            cache.queries = [q[:T] for q in view.queries]
+            cache.queries = list(view.queries) if T == view.T else [q[:T] for q in view.queries]  # views either way
         cache.end(T)
         return logits[:T]
 
