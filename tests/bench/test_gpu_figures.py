@@ -46,9 +46,13 @@ def test_the_plan_covers_the_figures():
     assert "--temperature 0.8" in " ".join(plan["compiled kv host sampled"])
     # the missing figures first: host greedy (our drafter, then drafts looked up: the triforce target's
     # best chance), then the resident cache against transformers' static one
-    assert [n for n in plan][2:12] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
+    assert [n for n in plan][2:13] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
                                     "kv gpu greedy", "gamma2 6 kv host greedy", "gamma2 6 kv host sampled",
-                                    "timeline kv host", "timeline kv gpu", "compiled kv host greedy"]
+                                    "published sampling kv host", "timeline kv host", "timeline kv gpu",
+                                    "compiled kv host greedy"]
+    # sampled as TriForce's paper did, gamma 16 for every system
+    published = " ".join(plan["published sampling kv host"])
+    assert "--temperature 0.6 --top-p 0.9" in published and "--gamma2 16" in published and "triforce" in published
     assert all("--timeline" in plan[f"timeline kv {w}"] for w in ("host", "gpu"))
     for name, flags in (("lookup kv host greedy", "--accept-ties"), ("lookup kv host sampled", "--temperature 0.8")):
         line = " ".join(plan[name])
@@ -144,7 +148,7 @@ def test_a_timed_out_steps_output_is_text():
 def test_a_staged_book_reaches_every_bench_step():
     plan = gpu_figures.steps("m", 64, prompt_file="models/.stage/b/book.txt")
     benches = [argv for _, argv in plan if argv[0] == "bench.bench"]
-    assert len(benches) == 14 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
+    assert len(benches) == 15 and all("--prompt-file" in a and "models/.stage/b/book.txt" in a for a in benches)
     assert not any("--prompt-file" in argv for _, argv in gpu_figures.steps("m", 64))
 
 

@@ -357,12 +357,14 @@ def test_graph_path_gives_the_same_tokens(pair, mode, offloaded, onchip, writes,
         assert len(spans) >= 2 and all(s % 16 == 0 or s == gen.full.cache.capacity for s in spans), spans
 
 
+@pytest.mark.parametrize("graphed", [True, False], ids=["graphed", "eager"])
 @pytest.mark.parametrize("onchip", [0, 1])
-def test_the_retrieval_cache_absorbs_a_graphed_passs_tokens_from_the_device(pair, onchip, monkeypatch):
-    """After each graphed pass the retrieval cache takes the committed tokens' K/V from the graph's
-    device buffers, not the store: on CUDA the store's copy cost a wait on the write-back and a
-    blocking host-to-device copy every pass. The same tokens and acceptance as the resident cache
-    (float64), and the store is read for rebuilds only (chunk means and a gather per layer)."""
+def test_the_retrieval_cache_absorbs_a_passs_tokens_from_the_device(pair, onchip, graphed, monkeypatch):
+    """After each pass the retrieval cache takes the committed tokens' K/V from the device, where the
+    pass left them (a graph's buffers; an eager pass's own tensors, as under tensor parallelism), not
+    from the store: on CUDA the store's copy cost a wait on the write-back and a blocking
+    host-to-device copy every pass. The same tokens and acceptance as the resident cache (float64),
+    and the store is read for rebuilds only (chunk means and a gather per layer)."""
     from triforce.offload.store import OffloadedCache
 
     target, _ = pair
@@ -373,7 +375,8 @@ def test_the_retrieval_cache_absorbs_a_graphed_passs_tokens_from_the_device(pair
     monkeypatch.setattr(OffloadedCache, "_to_device", lambda self, t, host: reads.append(host) or real(self, t, host))
     factory = full_cache_factory("cpu", CFG.prefill_chunk, onchip_layers=onchip)
     gen = Generator(Models(target, None), CFG, "retrieval", len(ids) + CFG.max_new_tokens, full_cache_factory=factory)
-    enable_cuda_graphs(gen, eager_static=True)
+    if graphed:
+        enable_cuda_graphs(gen, eager_static=True)
     gen.prefill(ids)
     reads.clear()  # the prefill's first retrieval build
     built = gen.stats.rebuilds

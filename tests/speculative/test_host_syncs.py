@@ -7,10 +7,10 @@ speculative 20.0, retrieval 28.0, triforce 72.0 greedy at gamma1 4, gamma2 6 in 
 now every mode pays the one read of the round's tokens; triforce with host-driven rounds (the CPU
 default) one more per middle-level pass (its acceptance decides where the drafter goes next), with
 device rounds (rounds.py, the GPU default) none. With the full cache offloaded, a round that
-updates the retrieval cache also waits for the write-backs before reading the host store: two per
-layer on a rebuild, and one per absorb where the offloaded pass ran eagerly (no CUDA graphs: tensor
-parallelism, --no-cuda-graphs); through its graph (the single-GPU default) an absorb reads the
-graph's device buffers and waits for nothing (session 37). Counted here so they cannot grow.
+rebuilds the retrieval cache also waits for the write-backs before reading the host store, two per
+layer; an absorb reads the last pass's K/V where it left them on the device and waits for nothing
+(through a graph, the single-GPU default, since session 37; eagerly - tensor parallelism,
+--no-cuda-graphs - since session 38, where it waited once). Counted here so they cannot grow.
 """
 import itertools
 
@@ -63,10 +63,9 @@ def rounds(pair, mode, temperature, offload, adaptive=False, device_rounds=False
             offload_waits, rebuilds = counter.by_site["offload write-back wait"], gen.stats.rebuilds
             gen.step()
             offload_waits = counter.by_site["offload write-back wait"] - offload_waits
-            # the retrieval upkeep reads the host store: twice per layer on a rebuild, once per absorb
-            # after an eager offloaded pass (after a graphed one it reads the graph's device buffers)
-            upkeep = 0 if not offload or gen.middle is None else 2 * layers if gen.stats.rebuilds > rebuilds \
-                else 0 if device_rounds == "whole" else 1
+            # the retrieval upkeep reads the host store twice per layer on a rebuild; an absorb reads
+            # the device, eager or graphed
+            upkeep = 2 * layers if offload and gen.middle is not None and gen.stats.rebuilds > rebuilds else 0
             assert offload_waits == upkeep
             # the middle level verifies only in a triforce round (in a retrieval round it drafts)
             verifying = mode == "triforce" and (not adaptive or gen.stats.modes["triforce"] > triforce)

@@ -22,6 +22,11 @@ from .counters import Counters
 from .streamer import Streamer
 
 
+# the widest eager pass whose new K/V stay on the device for the retrieval cache's absorb: a
+# verification's, not a prefill piece's (2,048 tokens of every layer)
+KEEP_FRESH = 64
+
+
 class HostStore:
     """K and V of `layers` layers for up to `max_len` tokens, in host memory."""
 
@@ -100,9 +105,11 @@ class OffloadedCache:
         # tokens on their way back to the store, its pinned staging per width, and who ran last
         self._finite = 0
         self._fresh: tuple | None = None
-        # the last graphed pass's new K/V still in the graph's device buffers: (first position, k, v),
-        # each (offloaded layers, T, Hkv, D), read by `slice` until the next pass overwrites them
+        # the last decode pass's new K/V on the device: (first position, k, v), each (offloaded layers,
+        # T, Hkv, D) in a graph's buffers, or per layer the tensors an eager pass computed (lists);
+        # read by `slice` until the next pass
         self._fresh_device: tuple | None = None
+        self._eager_fresh: tuple[list, list] | None = None  # an eager pass's, while it runs
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphed = False
         # the store as the device's kernels write it: a graphed pass writes its new tokens' K/V there
@@ -128,6 +135,10 @@ class OffloadedCache:
     def begin(self, T: int) -> torch.Tensor:
         self._check_room(T)
         self.flush_fresh()
+        # an eager decode pass's new K/V per offloaded layer, kept on the device for the retrieval
+        # cache's absorb (as a graphed pass's are): from the store it waits for the write-backs
+        self._fresh_device = None
+        self._eager_fresh = ([], []) if T <= KEEP_FRESH else None
         if self.streamer:
             if self._graphed:
                 self.streamer.take_back()
@@ -151,12 +162,18 @@ class OffloadedCache:
         vb[start:end] = v
         if j >= 0:
             self.streamer.write_back(j, start, end)
+            if self._eager_fresh is not None:  # the layer's own tensors (the slot is refilled two layers on)
+                self._eager_fresh[0].append(k.to(kb.dtype))
+                self._eager_fresh[1].append(v.to(vb.dtype))
         out = attend(q, kb[:end].transpose(0, 1), vb[:end].transpose(0, 1))
         if j >= 0:
             self.streamer.release(j)
         return out
 
     def end(self, T: int) -> None:
+        if self._eager_fresh is not None and self._eager_fresh[0]:
+            self._fresh_device = (self.length, *self._eager_fresh)  # stacked if an absorb asks (slice)
+        self._eager_fresh = None
         self.length += T
         self._finite = max(self._finite, self.length)
         if self.streamer:
@@ -182,6 +199,7 @@ class OffloadedCache:
         """Put K, V (Hkv, n, D) into one layer's slots [start, start + n); the length is unchanged."""
         kb, vb, _ = self._at_rest(layer)
         self._finite = max(self._finite, start + k.shape[1])
+        self._fresh_device = None  # the store is the one copy of these slots now
         if self.streamer:
             self.streamer.truncate(min(start, self.length))  # staged copies of these slots are stale now
         kb[start:start + k.shape[1]] = k.transpose(0, 1)
@@ -310,13 +328,15 @@ class OffloadedCache:
         return self._to_device(k[rows, heads], host), self._to_device(v[rows, heads], host)
 
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V (layers, Hkv, end-start, D) of tokens [start, end). Tokens the last graphed pass made
-        (what the retrieval cache absorbs after every pass) come from the graph's device buffers: from
-        the store they cost a wait on the write-back, a host copy and a blocking host-to-device copy
-        out of pageable memory each pass."""
+        """K, V (layers, Hkv, end-start, D) of tokens [start, end). Tokens the last decode pass made
+        (what the retrieval cache absorbs after every pass) come from the device, where the pass left
+        them (a graph's buffers, an eager pass's own tensors): from the store they cost a wait on the
+        write-back, a host copy and a blocking host-to-device copy out of pageable memory each pass."""
         ks = [self.resident_k[:, start:end].transpose(1, 2)]
         vs = [self.resident_v[:, start:end].transpose(1, 2)]
         fresh = self._fresh_device
+        if fresh is not None and isinstance(fresh[1], list):  # an eager pass's, layer by layer
+            fresh = self._fresh_device = (fresh[0], torch.stack(fresh[1]), torch.stack(fresh[2]))
         if self.streamer and fresh is not None and fresh[0] <= start and end <= fresh[0] + fresh[1].shape[1]:
             rows = slice(start - fresh[0], end - fresh[0])
             return torch.cat(ks + [fresh[1][:, rows].transpose(1, 2)]), torch.cat(vs + [fresh[2][:, rows].transpose(1, 2)])
