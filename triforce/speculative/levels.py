@@ -168,7 +168,7 @@ class Level:
             raise
         # a pass that captured a CUDA graph paid a one-time cost, not what the next one will
         self.timed(ids.shape[0], start, typical=getattr(self.model, "captures", 0) == captures)
-        return torch.cat(logits)[-n_out:]
+        return (logits[0] if len(logits) == 1 else torch.cat(logits))[-n_out:]  # one piece: no copy
 
     def timed(self, tokens: int, start, typical: bool = True, name: str | None = None, count: int = 1) -> None:
         """A decode pass of `tokens` tokens began at `start` (PassClock.now()) and was just queued;
