@@ -470,3 +470,27 @@ def test_captured_offloaded_passes_through_staging_give_the_same_tokens(models, 
     ref, _, _ = run(pair, mode, factory)
     out, gen, _ = run(pair, mode, staged, graphs="cuda")
     assert out == ref and gen.full.cache.mapped is None
+
+
+@cuda
+def test_a_captured_kernel_writes_the_mapped_pinned_store():
+    """HostStore.mapped on CUDA: a tensor on the GPU over the pinned store's own memory, which a kernel
+    captured in a graph writes at the rows a device index names, and the host reads back."""
+    from triforce.offload.store import HostStore
+
+    store = HostStore(2, 64, 3, 8, torch.bfloat16, pin=True)
+    k, _ = store.mapped(torch.device("cuda"))  # its probe writes the first values
+    store.k.zero_()
+    assert k.is_cuda and k.data_ptr() == store.k.data_ptr() and k.dtype == torch.bfloat16
+    rows = torch.zeros(2, dtype=torch.long, device="cuda")
+    fresh = torch.zeros(2, 2, 3, 8, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        k.index_copy_(1, rows, fresh)
+    for start in (5, 40):
+        rows.copy_(torch.arange(start, start + 2))
+        fresh.copy_(torch.randn(2, 2, 3, 8, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(store.k[:, start:start + 2], fresh.cpu())
+    assert store.k[:, 7:40].abs().sum() == 0 and store.k[:, :5].abs().sum() == 0

@@ -496,3 +496,16 @@ def test_offloaded_passes_through_split_keys_give_the_same_tokens(pair, mode, mo
     ref, _, _ = run(models, mode, ids, CFG, factory)
     out, _, _ = run(models, mode, ids, CFG, factory, graphs=True)
     assert out == ref and len(calls) > 0
+
+
+def test_on_cpu_the_store_is_its_own_mapping():
+    """HostStore.mapped: on CPU the device is the host, so a graphed pass writes the store tensors
+    themselves (on CUDA, tests/gpu checks a mapping over the pinned memory)."""
+    from triforce.offload.store import HostStore
+
+    store = HostStore(2, 16, 3, 4, torch.float32, pin=False)
+    k, v = store.mapped(torch.device("cpu"))
+    assert k is store.k and v is store.v
+    shape = KVShape(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu")
+    assert OffloadedCache(shape, 16).mapped[0] is not None
+    assert OffloadedCache(shape, 16, onchip_layers=2).mapped is None  # every layer resident: no store to write
