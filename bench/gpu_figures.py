@@ -108,7 +108,8 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     # where the time goes (bench/timeline.py: kernels, copies, their overlap, the device idle): plain
     # decoding in host memory at 4K ran 1.36x its link floor a token, the pass alone 1.27x (session
     # 36), and the adaptive default spent 0.2-0.6 ms a token more than its passes' sum (session 37)
-    timeline = ["--systems", "autoregressive,adaptive", "--timeline"]
+    # plain decoding queued ahead (the GPU default since session 38) beside one pass at a time
+    timeline = ["--systems", "autoregressive,autoregressive-waiting,adaptive", "--timeline"]
     out.append(("timeline kv host", [*host, *timeline, *greedy]))
     out.append(("timeline kv gpu", [*resident, *timeline, *sampled]))
     # fewer kernels a pass (issue 22 item 5) where the targets are missed: the proposing levels'

@@ -13,15 +13,19 @@ from triforce.runtime.report import level_ms_per_pass, link_floor, pinned_h2d_ba
 from triforce.speculative.engine import synchronize
 
 OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems, measured by default
-# ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding and triforce with --compile
+# ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding and triforce with
+# --compile, plain decoding one pass at a time
 VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "retrieval-compiled", "triforce-compiled",
-            "adaptive-compiled", "adaptive-no-lookup")
+            "adaptive-compiled", "adaptive-no-lookup", "autoregressive-waiting")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 "triforce-device": ("triforce", {"device_rounds": True}, ["--no-adaptive", "--device-rounds"]),
                 "triforce-host": ("triforce", {"device_rounds": False}, ["--no-adaptive", "--no-device-rounds"]),
                 "autoregressive-compiled": ("autoregressive", {"compile": True}, ["--no-adaptive", "--compile"]),
+                # plain decoding waiting for each token before queuing the next pass (the default before
+                # session 38 on a GPU, and on CPU): beside `autoregressive`, what queuing ahead gains
+                "autoregressive-waiting": ("autoregressive", {"queue_ahead": False}, ["--no-adaptive", "--no-queue-ahead"]),
                 "retrieval-compiled": ("retrieval", {"compile": True}, ["--no-adaptive", "--compile"]),
                 "triforce-compiled": ("triforce", {"compile": True}, ["--no-adaptive", "--compile"]),
                 "adaptive-compiled": ("triforce", {"adaptive": True, "compile": True}, ["--compile"]),

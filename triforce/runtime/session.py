@@ -270,6 +270,10 @@ class Session:
                                                     else "host-driven, a read per middle pass")
                          + ((" (default on a GPU)" if device_rounds else " (default on CPU)")
                             if run.device_rounds is None else "")))
+        if cfg is not None and run.mode == "autoregressive" and not cfg.adaptive:
+            ahead = cfg.queues_ahead(self.device)
+            rows.append(("full passes", ("the next queued before each token is read" if ahead else "one at a time")
+                         + ((" (default on a GPU)" if ahead else " (default on CPU)") if run.queue_ahead is None else "")))
         if cfg is not None:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else
                          f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))

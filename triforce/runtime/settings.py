@@ -40,6 +40,7 @@ class Settings:
     cuda_graphs: bool | None = None  # None: on for a single CUDA device
     compile: bool = False  # each level's small passes as torch.compile'd graphs (seconds to compile per shape)
     device_rounds: bool | None = None  # triforce's drafter->middle rounds without host reads; None: on a GPU
+    queue_ahead: bool | None = None  # plain decoding queues each pass before reading a token; None: on a GPU
     tp: int = 1
     lower_weights: str = "auto"  # the proposing levels' weights: auto (int8 on a bf16 CPU), same, int8
     weights: str = "auto"  # stored: compute with a GGUF's blocks (CPU); dequantized; auto: stored where it pays
@@ -179,7 +180,7 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
         gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
         draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
         prefill_chunk=run.prefill_chunk,  # None: the device's default piece (GenerationConfig.prefill_piece)
-        adaptive=run.adaptive, lookup=run.lookup, device_rounds=run.device_rounds)
+        adaptive=run.adaptive, lookup=run.lookup, device_rounds=run.device_rounds, queue_ahead=run.queue_ahead)
 
 
 def generation_plan(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):
