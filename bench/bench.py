@@ -294,12 +294,9 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
 def engine_facts(gen) -> dict:
     """How one of our systems' passes ran, which its speed depends on: plain decoding with a pass
     queued ahead of the host (engine.Generator._queued_tokens), and where the full cache is offloaded
-    whether its graphed passes write the host store themselves ('mapped') or through staging."""
-    cache = gen.full.cache
-    writes = None
-    if getattr(cache, "streamer", None) is not None:
-        writes = "mapped" if cache.mapped is not None else "staged"
-    return {"queued_ahead": gen.reads is not None, "store_writes": writes}
+    how its passes' new K/V reach the host store (OffloadedCache.store_writes)."""
+    writes = getattr(gen.full.cache, "store_writes", None)
+    return {"queued_ahead": gen.reads is not None, "store_writes": writes() if writes else None}
 
 
 def profiled_run(gen, prefilled, learned: bool) -> dict:

@@ -344,6 +344,7 @@ def test_graph_path_gives_the_same_tokens(pair, mode, offloaded, onchip, writes,
     if offloaded:
         cache, ref_cache = gen.full.cache, ref_gen.full.cache
         assert (cache.mapped is not None) == (writes == "mapped") and cache.length == ref_cache.length
+        assert cache.store_writes() == writes and ref_cache.store_writes() == "eager"  # never mapped: never graphed
         for layer in range(onchip, target.cfg.num_layers):
             for a, b in zip(cache.read(layer, 0, cache.length), ref_cache.read(layer, 0, cache.length)):
                 assert torch.equal(a, b)
@@ -507,5 +508,8 @@ def test_on_cpu_the_store_is_its_own_mapping():
     k, v = store.mapped(torch.device("cpu"))
     assert k is store.k and v is store.v
     shape = KVShape(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu")
-    assert OffloadedCache(shape, 16).mapped[0] is not None
-    assert OffloadedCache(shape, 16, onchip_layers=2).mapped is None  # every layer resident: no store to write
+    cache = OffloadedCache(shape, 16)
+    assert cache.store_writes() == "eager"  # probed by the first graphed pass, not before
+    assert cache.mapped[0] is not None and cache.store_writes() == "mapped"
+    every_layer_resident = OffloadedCache(shape, 16, onchip_layers=2)
+    assert every_layer_resident.mapped is None and every_layer_resident.store_writes() is None

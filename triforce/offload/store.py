@@ -115,8 +115,28 @@ class OffloadedCache:
         # the store as the device's kernels write it: a graphed pass writes its new tokens' K/V there
         # itself, so the next pass can be queued with nothing for the host to do in between; None:
         # through pinned staging, which the host moves into place (flush_fresh) before the next pass
-        self.mapped = self.store.mapped(self.device) if self.streamer else None
+        self._mapped: tuple | None | bool = False  # False: not probed yet (the first graphed pass probes)
         self._written = None  # on CUDA, an event after the last graphed pass's writes into the store
+
+    @property
+    def mapped(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The store's K and V as the device's kernels write them (HostStore.mapped), or None: through
+        staging. Probed on first use, by the first graphed pass: an eager run (tensor parallelism,
+        --no-cuda-graphs) never maps it."""
+        if self._mapped is False:
+            self._mapped = self.store.mapped(self.device) if self.streamer else None
+        return self._mapped
+
+    @mapped.setter
+    def mapped(self, value: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self._mapped = value
+
+    def store_writes(self) -> str | None:
+        """How passes' new K/V reach the store: 'mapped' (a graph writes it), 'staged' (a graph's go
+        through pinned staging), 'eager' (no graphed pass yet: each layer's copy back), None: no store."""
+        if not self.streamer:
+            return None
+        return "eager" if self._mapped is False else "staged" if self._mapped is None else "mapped"
 
     @property
     def capacity(self) -> int:
@@ -223,6 +243,7 @@ class OffloadedCache:
         pass's first slot (the length)."""
         self._check_room(T)
         self.flush_fresh()
+        self.mapped  # noqa: B018 (probed here, eagerly, before the first capture reads it)
         self._fresh_device = None  # this pass's replay rewrites those buffers
         if self.streamer:
             self.streamer.hand_over()
