@@ -331,20 +331,20 @@ def test_the_statistics_say_which_drafter_proposes(tiny, extra, expect):
                                    expect + " (--no-lookup: without)")
 
 
+@pytest.mark.parametrize("mode", [["--mode", "autoregressive", "--no-adaptive"], []], ids=["plain", "adaptive"])
 @pytest.mark.parametrize("extra,expect", [([], "one at a time (default on CPU)"),
                                           (["--queue-ahead"], "the next queued before each token is read"),
                                           (["--no-queue-ahead"], "one at a time")])
-def test_the_statistics_say_whether_plain_decoding_queues_ahead(tiny, extra, expect):
-    """--queue-ahead (the default on a GPU) and the row that says which ran; a generator built with
-    it on reads its tokens through TokenReads."""
+def test_the_statistics_say_whether_plain_passes_queue_ahead(tiny, mode, extra, expect):
+    """--queue-ahead (the default on a GPU) and the row that says which ran, run fixed or by the
+    adaptive default; a generator built with it on reads its plain passes' tokens through TokenReads."""
     from triforce.cli import generate
 
     target, book = tiny
-    opts = generate.parse_args(_flags(target, "--prompt-file", str(book), "--mode", "autoregressive", "--no-adaptive",
-                                      "--context", str(CONTEXT), *extra))
+    opts = generate.parse_args(_flags(target, "--prompt-file", str(book), *mode, "--context", str(CONTEXT), *extra))
     session = Session(opts.run, book.read_text())
     cfg = session.plan_generation()
-    assert dict(session.choices(cfg)).get("full passes") == expect
+    assert dict(session.choices(cfg)).get("plain passes") == expect
     session.load()
     gen = session.generator(cfg, max_len=len(session.prompt_ids) + NEW)
     assert (gen.reads is not None) == (extra == ["--queue-ahead"])

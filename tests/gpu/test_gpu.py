@@ -454,6 +454,30 @@ def test_plain_decoding_queued_ahead_gives_steps_tokens_on_cuda(models, cache, g
 
 
 @cuda
+@pytest.mark.parametrize("cache", ["resident", "offloaded"])
+@pytest.mark.parametrize("graphs", [None, "cuda"])
+def test_adaptive_plain_passes_queued_ahead_give_plain_decodings_tokens_on_cuda(models, monkeypatch, cache, graphs):
+    """The adaptive default's plain passes queued ahead on CUDA (the default there): the chooser picks
+    each plan before the last token is read; plain decoding two passes in three, else any plan."""
+    import random
+    from dataclasses import replace
+
+    from triforce.speculative.adaptive import Chooser, Plan
+
+    target, drafter = models
+    reference, _, _ = run(Models(target, None), "autoregressive")
+    cfg = replace(CFG, adaptive=True)
+    assert cfg.queues_ahead("cuda")
+    factory = full_cache_factory("cuda", CFG.prefill_chunk, chunk_tokens=7) if cache == "offloaded" else None
+    rng = random.Random(6)
+    monkeypatch.setattr(Chooser, "_choose", lambda self: Plan("autoregressive", 0) if rng.random() < 0.67
+                        else rng.choice(self.plans))
+    out, gen, _ = run(Models(target, drafter), "triforce", factory, graphs, cfg)
+    assert gen.reads is not None and out == reference
+    assert gen.stats.modes["autoregressive"] >= 10 and len(gen.stats.modes) >= 3
+
+
+@cuda
 @pytest.mark.parametrize("mode", ["autoregressive", "triforce"])
 def test_captured_offloaded_passes_through_staging_give_the_same_tokens(models, mode):
     """Where the store cannot be mapped (OffloadedCache.mapped None) a graphed pass's new K/V go back

@@ -503,6 +503,37 @@ def test_the_first_round_after_a_prefill_is_no_overhead_sample():
     assert chooser.costs.estimate("verify", 1) == 0.012  # the second pass replaced the warm-up
 
 
+def test_a_plan_chosen_ahead_is_finished_after_the_pass_in_flight():
+    """Plain passes queued ahead (engine._queued_tokens): the next plan is chosen before the last
+    pass's round finishes. Each round is finished in the order chosen, with the passes timed since
+    the one before it finished; a probe chosen ahead is judged when its own round finishes; a choice
+    whose pass was forgotten (queued past a stop) is dropped by the next choice made with nothing
+    in flight."""
+    chooser = Chooser(SUB_MODES["retrieval"], gamma1=1, gamma2=2)
+    plain = Plan("autoregressive", 0)
+    assert chooser.choose() == plain and chooser.choose(ahead=True) == plain
+    chooser.passed("verify", 1, 0.010)
+    chooser.finished("autoregressive", 0.030)  # the first round after a prefill: no overhead sample
+    # retrieval, never tried, is chosen while the second plain pass is in flight: a first try
+    assert chooser.choose(ahead=True).mode == "retrieval"
+    chooser.passed("verify", 1, 0.012)
+    chooser.finished("autoregressive", 0.013)  # its own 12 ms, not the first pass's too; not the probe
+    assert chooser.overhead["autoregressive"] == pytest.approx(0.001) and chooser.probe_loss == {}
+    chooser.passed("middle", 1, 0.004)
+    chooser.passed("verify", 2, 0.013)
+    chooser.verified("middle->verify", 1, 0)
+    chooser.finished("retrieval", 0.040, 1)  # judged against plain decoding's 13 ms a token: lost
+    assert chooser.probe_loss["retrieval"] > 0 and chooser.overhead["retrieval"] == pytest.approx(0.023)
+    # a plain pass chosen ahead, then forgotten (a stop): the next choice is finished by itself
+    chooser.choose()
+    chooser.choose(ahead=True)
+    chooser.choose()
+    chooser.passed("verify", 1, 0.012)
+    chooser.finished("autoregressive", 0.014)
+    assert chooser.overhead["autoregressive"] == pytest.approx(0.9 * 0.001 + 0.1 * 0.002)
+    assert not chooser._open
+
+
 def test_a_pass_that_captures_a_cuda_graph_is_not_a_cost_sample(tmp_path):
     """Level.run times every decode pass for the chooser; one in which the model captured a CUDA
     graph (a one-time cost, hundreds of times a replay) counts in its round, not in the level's
@@ -618,18 +649,30 @@ def by_history(monkeypatch) -> None:
     monkeypatch.setattr(Chooser, "_choose", choose)
 
 
-@pytest.mark.parametrize("plans", ["random", "by history"])
+def plain_or_random(monkeypatch, seed: int) -> None:
+    """Every chooser picks plain decoding one pass in two, else a random plan: runs of plain passes,
+    queued ahead where that is on, between rounds of every mode."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(Chooser, "_choose", lambda self: Plan("autoregressive", 0) if rng.random() < 0.5
+                        else rng.choice(self.plans))
+
+
+@pytest.mark.parametrize("plans", ["random", "by history", "plain or random, queued ahead"])
 def test_sampled_distribution_is_exact_whatever_the_plans(models, monkeypatch, plans):  # noqa: F811
     """As test_sampling.py: 3,000 seeds, the joint law of tokens 2 and 3 against enumeration, with
     the plan of each pass drawn at random (a different stream from the sampler's), or chosen from
-    the acceptance so far (so the plan of the pass that draws token 3 depends on token 2's)."""
+    the acceptance so far (so the plan of the pass that draws token 3 depends on token 2's), or
+    plain decoding queued ahead (engine._queued_tokens: a plan chosen before the last token is read)
+    between random plans."""
     target, drafter = models
-    scramble(monkeypatch, seed=0) if plans == "random" else by_history(monkeypatch)
-    cfg = {**SAMPLING_SETTINGS, "adaptive": True}
+    {"random": lambda: scramble(monkeypatch, seed=0), "by history": lambda: by_history(monkeypatch),
+     "plain or random, queued ahead": lambda: plain_or_random(monkeypatch, seed=0)}[plans]()
+    cfg = {**SAMPLING_SETTINGS, "adaptive": True, "queue_ahead": plans.endswith("queued ahead")}
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for seed in range(3000):
         gen = Generator(Models(target, drafter), GenerationConfig(**cfg, seed=seed), "triforce",
                         max_len=len(SAMPLING_PROMPT) + 8)
+        assert (gen.reads is not None) == cfg["queue_ahead"]
         gen.prefill(SAMPLING_PROMPT)
         tokens = gen.generate()
         counts[tokens[1], tokens[2]] += 1

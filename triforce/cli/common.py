@@ -54,10 +54,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "shape and the full pass verifies what the middle level made, capped on the device "
                         "(default: on a GPU, where each read stalls the queue; off on CPU)")
     g.add_argument("--queue-ahead", action=argparse.BooleanOptionalAction, default=DEFAULTS.queue_ahead,
-                   help="plain decoding (--mode autoregressive --no-adaptive) queues each full pass before the "
-                        "host reads the token the last one sampled, so the host's work between passes overlaps "
-                        "the device's; the same tokens either way (default: on a GPU; off on CPU, where a pass "
-                        "is done when it returns)")
+                   help="plain decoding (--mode autoregressive, or the adaptive default's plain passes) queues "
+                        "each full pass before the host reads the token the last one sampled, so the host's work "
+                        "between passes overlaps the device's; lossless either way (default: on a GPU; off on CPU, "
+                        "where a pass is done when it returns)")
     g.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel degree (launch with torchrun)")
     g.add_argument("--weights", default=DEFAULTS.weights, choices=["auto", "stored", "dequantized"],
                    help="stored: compute with the GGUF's 4-/8-bit blocks a prepared model was made from (CPU, "

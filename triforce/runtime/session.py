@@ -270,9 +270,9 @@ class Session:
                                                     else "host-driven, a read per middle pass")
                          + ((" (default on a GPU)" if device_rounds else " (default on CPU)")
                             if run.device_rounds is None else "")))
-        if cfg is not None and run.mode == "autoregressive" and not cfg.adaptive:
+        if cfg is not None and (run.mode == "autoregressive" or cfg.adaptive and run.tp == 1):
             ahead = cfg.queues_ahead(self.device)
-            rows.append(("full passes", ("the next queued before each token is read" if ahead else "one at a time")
+            rows.append(("plain passes", ("the next queued before each token is read" if ahead else "one at a time")
                          + ((" (default on a GPU)" if ahead else " (default on CPU)") if run.queue_ahead is None else "")))
         if cfg is not None:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else

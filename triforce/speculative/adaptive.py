@@ -345,14 +345,18 @@ class Chooser:
         self.costs, self.acceptance = PassCosts(), Acceptance()
         self.overhead: dict[str, float] = {}  # per mode: a round's seconds outside the passes (moving average)
         self.pass_seconds = 0.0  # every timed pass so far; a round's share is the difference
-        self._round_start = 0.0
+        # per choice not yet finished, oldest first: (its pass count, the best plan's seconds per token
+        # when it is a probe, pass_seconds when it was made). Two are open where a plain pass is
+        # queued before the host reads the last one's token (choose's `ahead`; engine._queued_tokens).
+        self._open: deque[tuple[int, float | None, float]] = deque()
+        self._finished_at = 0.0  # pass_seconds when the last round finished
         self.passes = 0
         self.elapsed = 0.0  # seconds of every finished round
         self.current: str | None = None  # the mode of the last pass that was not a probe
         self.last_used = {m: None for m in modes}  # the pass count, and the elapsed seconds, when each mode last ran
         self.last_time = {m: 0.0 for m in modes}
         self.probe_loss: dict[str, float] = {}  # per mode: seconds its probes lost against the best plan (average)
-        self._probing: float | None = None  # while a probe runs: the best plan's seconds per token
+        self._probing: float | None = None  # while a choice is made: the best plan's seconds per token, if it probes
         self._again: str | None = None  # a mode whose probe just beat the best plan: probed once more next
         # inside one choice nothing it reads changes: each plan priced once. A choice priced the same
         # plans over and over (26 prices, 38 `known` checks for 6 modes at gamma2 6): 0.147 ms a pass
@@ -379,16 +383,20 @@ class Chooser:
         remembers barely moves the mode's estimate, and a mode whose text changed under it (a lookup
         once the output repeats itself) would otherwise wait a full probe interval per success. SmolLM2
         at 4K, greedy, 512 tokens: lookups failed before the output looped, speculative took over,
-        and lookups came back once in 80 passes, their one success outvoted by 15 stale failures."""
+        and lookups came back once in 80 passes, their one success outvoted by 15 stale failures.
+
+        Rounds finish in the order they were chosen. A plain pass chosen while the last one is still in
+        flight (queued ahead) is finished after it: its passes are those timed since that one finished."""
         self.elapsed += seconds
-        probed, self._probing = self._probing, None
+        index, probed, start = self._open.popleft() if self._open else (0, None, self.pass_seconds)
+        start, self._finished_at = max(start, self._finished_at), self.pass_seconds
         if probed is not None and tokens is not None:  # averaged: a probe commits 1 to gamma + 1 tokens
             lost, old = max(seconds - tokens * probed, 0.0), self.probe_loss.get(mode)
             self.probe_loss[mode] = lost if old is None else 0.5 * (old + lost)
             self._again = mode if lost == 0.0 else None
-        if self.passes == 1:  # the first round after a prefill pays one-time costs outside its passes
+        if index == 1:  # the first round after a prefill pays one-time costs outside its passes
             return
-        outside = max(seconds - (self.pass_seconds - self._round_start), 0.0)
+        outside = max(seconds - (self.pass_seconds - start), 0.0)
         old = self.overhead.get(mode)
         self.overhead[mode] = outside if old is None else 0.9 * old + 0.1 * outside
 
@@ -479,9 +487,11 @@ class Chooser:
         which the prediction, not a probe, finds."""
         return Plan(mode, self.tried[mode])
 
-    def choose(self, match: int | None = None) -> Plan:
+    def choose(self, match: int | None = None, ahead: bool = False) -> Plan:
         """The next full pass's plan; `match`: how many tokens the lookup's match spans there
-        (lookup.MatchIndex), for a chooser with lookups."""
+        (lookup.MatchIndex), for a chooser with lookups. `ahead`: the last pass chosen is still in
+        flight, and finishes first; else any choice not finished was forgotten (a pass queued past a
+        stop), and finished() refers to this one."""
         self.match = match
         self._priced = {}  # modes' `known` and plans' prices, for this choice only
         try:
@@ -492,7 +502,10 @@ class Chooser:
             plan = self.plans[self.agree(self.plans.index(plan))]
         self.passes += 1
         self.last_used[plan.mode], self.last_time[plan.mode] = self.passes, self.elapsed
-        self._round_start = self.pass_seconds
+        if not ahead:
+            self._open.clear()
+        self._open.append((self.passes, self._probing, self.pass_seconds))
+        self._probing = None
         return plan
 
     def _choose(self) -> Plan:

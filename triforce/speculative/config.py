@@ -53,7 +53,7 @@ class GenerationConfig:
     # triforce's drafter->middle rounds with no host read inside (rounds.py): None decides by device
     device_rounds: bool | None = None
     # plain decoding queues each full pass before the host reads the token the last one sampled
-    # (engine.Generator._queued_tokens): None decides by device
+    # (engine.Generator._queued_tokens), run fixed or chosen by an adaptive run: None decides by device
     queue_ahead: bool | None = None
     extra: dict = field(default_factory=dict)
 

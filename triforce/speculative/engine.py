@@ -34,7 +34,7 @@ from triforce.model import cpu_pool
 from triforce.model.errors import UserError
 from triforce.model.transformer import Transformer
 
-from .adaptive import Chooser
+from .adaptive import Chooser, Plan
 from .caches import FullCache, StreamingCache
 from .config import GenerationConfig
 from .levels import (AutoregressiveProposer, Level, LookupProposer, PassClock, Sampling, Sequence,
@@ -126,9 +126,11 @@ class Generator:
         self.proposers = {m: self._compose(m) for m in self.modes}
         self.gamma = self.proposers[mode][1]  # the fixed mode's proposals per full pass
         self.max_width = sizes.widest  # the most positions a full pass verifies
-        # plain decoding, fixed, with its next pass queued before the host reads a token (_queued_tokens)
-        self.reads = TokenReads(self.device) if mode == "autoregressive" and self.chooser is None \
-            and cfg.queues_ahead(self.device) else None
+        # plain decoding with its next pass queued before the host reads a token (_queued_tokens): run
+        # fixed, or chosen by an adaptive run's chooser (one process: a tensor-parallel group's ranks
+        # agree on each choice, one pass at a time)
+        plain = "autoregressive" in self.modes and (self.chooser is None or agree is None)
+        self.reads = TokenReads(self.device) if plain and cfg.queues_ahead(self.device) else None
         self.context: list[int] = []  # the host's copy of seq.ids[:committed], extended once per round
         self.committed = 0  # context[:committed] is final; the last token is not yet in the full cache
         if prefilled:
@@ -376,16 +378,23 @@ class Generator:
             return cpu_pool.kernels_threaded()
         return nullcontext()
 
-    def step(self) -> list[int]:
+    def _match(self) -> int | None:
+        """How long a match the lookup drafts from after the context (for the chooser), if it looks up."""
+        return self.matches.length(self.context) if self.matches is not None else None
+
+    def step(self, plan: Plan | None = None) -> list[int]:
         """One full-cache pass: propose, verify, commit. Returns the newly committed tokens, which
-        come back to the host once per round (the only wait, where no middle level verifies)."""
+        come back to the host once per round (the only wait, where no middle level verifies). An
+        adaptive run's `plan` may have been chosen already (_queued_tokens)."""
         mode, gamma = self.mode, self.gamma
         start = time.perf_counter()
         if self.chooser is not None:
-            plan = self.chooser.choose(self.matches.length(self.context) if self.matches is not None else None)
+            plan = plan or self.chooser.choose(self._match())
             mode, gamma = plan.mode, plan.gamma
             self.stats.add_mode(mode)
         proposer = self.proposers[mode][0]
+        if retrieves(mode):
+            self._catch_up_middle()
         c = len(self.context)
         width, draft_probs, made = self._propose(proposer, c, gamma)
         logits = self.full.run(self.seq, c + width, width + 1)
@@ -431,13 +440,33 @@ class Generator:
 
         Closed after its last token (a stop id, the budget), a pass queued past it is forgotten: the
         full cache is left as step() leaves it (its last token not yet held) and the sampler's
-        generator as it was before that pass drew. Its K/V write lands past the committed length."""
+        generator as it was before that pass drew. Its K/V write lands past the committed length.
+
+        In an adaptive run the chooser picks each pass's plan before the host reads the last pass's
+        token (choose's `ahead`): a choice one token staler than step()'s, which moves the speed, never
+        the output distribution. Plain passes are queued so while it picks them; a round of another
+        mode runs once nothing is in flight (step). The retrieval cache takes in the plain passes'
+        tokens when a round next proposes from it (step), all at once: an absorb after each read
+        would wait for the pass in flight, whose write it reads around."""
         queued: deque = deque()  # (token slot, the generator's state before the pass drew) per queued pass
-        made = 0
+        chooser, plan, made = self.chooser, None, 0
+        resumed = time.perf_counter()
         try:
             while made < wanted:
                 while len(queued) < 2 and made + len(queued) < wanted:
+                    if chooser is not None:
+                        plan = plan or chooser.choose(self._match(), ahead=bool(queued))
+                        if plan.mode != "autoregressive":
+                            break
+                        self.stats.add_mode(plan.mode)
+                        plan = None
                     queued.append(self._queue_pass(len(self.context) + len(queued)))
+                if not queued:  # another mode's round, with nothing in flight
+                    new, plan = self.step(plan), None
+                    made += len(new)
+                    yield new
+                    resumed = time.perf_counter()
+                    continue
                 slot, _ = queued.popleft()
                 token = self.reads.read(slot)
                 made += 1
@@ -445,7 +474,10 @@ class Generator:
                 self.committed = len(self.context)
                 self.full.report(in_flight=len(queued))
                 self.origins = [self.full.name]
+                if chooser is not None:  # a queued pass's round: from the last token's hand-over to this one's
+                    chooser.finished("autoregressive", time.perf_counter() - resumed, 1)
                 yield [token]
+                resumed = time.perf_counter()
         finally:
             if queued:
                 if queued[0][1] is not None:
@@ -470,6 +502,12 @@ class Generator:
         if isinstance(proposer, DeviceRoundProposer):
             return proposer.propose(self.seq, c, gamma)
         return gamma, proposer.propose(self.seq, c, gamma), None
+
+    def _catch_up_middle(self) -> None:
+        """The retrieval cache up to the committed tokens, after queued plain passes left it behind
+        (a truncate, a turn's extend or a resume rebuild it anyway)."""
+        if self.middle is not None and self.middle.held < self.committed - 1:
+            self._update_middle(0, 0)
 
     def _update_middle(self, accepted: int, proposed: int) -> None:
         """Copy exact KV of committed tokens into the retrieval cache, or rebuild it."""
