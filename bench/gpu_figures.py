@@ -76,7 +76,9 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     # capturing a graph for each width its first tries used (session 35: 0.20x plain decoding)
     resident = [*bench, "--contexts", contexts, "--offload", "none", "--dtype", "bfloat16", "--learned"]
     # the adaptive default weighs lookups beside its drafter (session 26); beside it, the default without
-    out.append(("kv host greedy", [*host, "--systems", OURS + ",adaptive-no-lookup,hf-offloaded", *greedy]))
+    # triforce at its GPU default gamma1 (1 with the target drafting for itself since session 39)
+    # beside the 4 before, in the host-memory steps (runtime/settings.py SELF_DRAFT_GPU_GAMMA1)
+    out.append(("kv host greedy", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-no-lookup,hf-offloaded", *greedy]))
     # SmolLM2 drafting for itself costs what its middle pass costs (~850 kernels each), so a
     # drafter->middle round cannot beat the middle level alone; drafts looked up in the sequence cost
     # a few kernels (speculative/lookup.py): triforce's levels with them, at 32K, greedy and sampled
@@ -85,7 +87,7 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
               "--learned", "--systems", "autoregressive,retrieval,speculative,triforce,adaptive"]
     out.append(("lookup kv host greedy", [*lookup, *greedy]))
     # the product's regime sampled before anything that compiles (a 15-minute lease, session 35)
-    out.append(("kv host sampled", [*host, "--systems", OURS + ",adaptive-no-lookup", *sampled]))
+    out.append(("kv host sampled", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-no-lookup", *sampled]))
     out.append(("lookup kv host sampled", [*lookup, *sampled]))
     # transformers' static cache compiles once per context (minutes with both; it ate session 23's
     # lease): after every host-memory step, so that a compile that overruns costs only what follows
@@ -103,13 +105,14 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     # at gamma2 6, 0.81x at 16; its SmolLM2 drafter accepted 0.16-0.18 at 32K), so this tells the
     # engine from the setting
     published = [*bench, "--contexts", longest, "--offload", "host", "--dtype", "bfloat16", "--learned",
-                 "--gamma2", "16", "--systems", "autoregressive,retrieval,triforce,adaptive"]
+                 "--gamma2", "16", "--systems", "autoregressive,retrieval,triforce,triforce-gamma1-4,adaptive"]
     out.append(("published sampling kv host", [*published, "--temperature", "0.6", "--top-p", "0.9"]))
     # where the time goes (bench/timeline.py: kernels, copies, their overlap, the device idle): plain
     # decoding in host memory at 4K ran 1.36x its link floor a token, the pass alone 1.27x (session
     # 36), and the adaptive default spent 0.2-0.6 ms a token more than its passes' sum (session 37)
-    # plain decoding queued ahead (the GPU default since session 38) beside one pass at a time
-    timeline = ["--systems", "autoregressive,autoregressive-waiting,adaptive", "--timeline"]
+    # plain decoding queued ahead (the GPU default since session 38, the adaptive default's plain
+    # passes since 39) beside one pass at a time
+    timeline = ["--systems", "autoregressive,autoregressive-waiting,adaptive,adaptive-waiting", "--timeline"]
     out.append(("timeline kv host", [*host, *timeline, *greedy]))
     out.append(("timeline kv gpu", [*resident, *timeline, *sampled]))
     # fewer kernels a pass (issue 22 item 5) where the targets are missed: the proposing levels'

@@ -16,7 +16,8 @@ OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  #
 # ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding and triforce with
 # --compile, plain decoding one pass at a time
 VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "retrieval-compiled", "triforce-compiled",
-            "adaptive-compiled", "adaptive-no-lookup", "autoregressive-waiting")
+            "adaptive-compiled", "adaptive-no-lookup", "autoregressive-waiting", "adaptive-waiting",
+            "triforce-gamma1-4")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
@@ -26,6 +27,11 @@ SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 # plain decoding waiting for each token before queuing the next pass (the default before
                 # session 38 on a GPU, and on CPU): beside `autoregressive`, what queuing ahead gains
                 "autoregressive-waiting": ("autoregressive", {"queue_ahead": False}, ["--no-adaptive", "--no-queue-ahead"]),
+                # the adaptive default's plain passes one at a time (before session 39 on a GPU)
+                "adaptive-waiting": ("triforce", {"adaptive": True, "queue_ahead": False}, ["--no-queue-ahead"]),
+                # triforce drafting 4 tokens a round, the GPU default before session 39 for the target
+                # drafting for itself (runtime/settings.py SELF_DRAFT_GPU_GAMMA1 says why it is 1 now)
+                "triforce-gamma1-4": ("triforce", {"gamma1": 4}, ["--no-adaptive", "--gamma1", "4"]),
                 "retrieval-compiled": ("retrieval", {"compile": True}, ["--no-adaptive", "--compile"]),
                 "triforce-compiled": ("triforce", {"compile": True}, ["--no-adaptive", "--compile"]),
                 "adaptive-compiled": ("triforce", {"adaptive": True, "compile": True}, ["--compile"]),

@@ -53,9 +53,13 @@ def test_the_plan_covers_the_figures():
     # sampled as TriForce's paper did, gamma 16 for every system
     published = " ".join(plan["published sampling kv host"])
     assert "--temperature 0.6 --top-p 0.9" in published and "--gamma2 16" in published and "triforce" in published
+    # triforce at its default gamma1 beside 4, the default before, in the host-memory steps
+    assert all("triforce-gamma1-4" in " ".join(plan[s]) for s in ("kv host greedy", "kv host sampled",
+                                                                   "published sampling kv host"))
     assert all("--timeline" in plan[f"timeline kv {w}"] for w in ("host", "gpu"))
     # plain decoding queued ahead beside one pass at a time, in one run
-    assert all("autoregressive,autoregressive-waiting" in " ".join(plan[f"timeline kv {w}"]) for w in ("host", "gpu"))
+    assert all("autoregressive,autoregressive-waiting,adaptive,adaptive-waiting" in " ".join(plan[f"timeline kv {w}"])
+               for w in ("host", "gpu"))
     for name, flags in (("lookup kv host greedy", "--accept-ties"), ("lookup kv host sampled", "--temperature 0.8")):
         line = " ".join(plan[name])
         assert "--draft lookup" in line and "--contexts 32768 --offload host" in line and flags in line

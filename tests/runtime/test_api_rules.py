@@ -131,6 +131,27 @@ def test_gamma2_defaults_follow_the_device_and_where_the_kv_lives(monkeypatch, m
     assert generation_config(replace(run, gamma2=5), prompt_len=32768).gamma2 == 5  # a chosen gamma2 stays
 
 
+@pytest.mark.parametrize("adaptive,draft,device,gamma1", [
+    (False, None, "cuda", 1),  # the target drafting for itself: a draft costs a middle pass on a GPU
+    (False, "self", "cuda", 1),
+    (False, "lookup", "cuda", 4),  # lookups cost no pass
+    (False, "/models/llama-68m", "cuda", 4),  # a drafter of its own, far cheaper than the middle pass
+    (True, None, "cuda", 4),  # the adaptive default: its triforce-lookup rounds run at gamma1 too
+    (False, None, "cpu", 2),  # a CPU's middle pass also reads its budget of KV
+])
+def test_gamma1_defaults_follow_what_a_draft_costs(monkeypatch, adaptive, draft, device, gamma1):
+    """runtime/settings.py SELF_DRAFT_GPU_GAMMA1: g drafts a round make middle tokens no faster than
+    one wherever acceptance x middle pass <= drafter pass."""
+    import triforce.parallel
+    from triforce.runtime.settings import generation_config, make_settings
+
+    monkeypatch.setattr(triforce.parallel, "resolve_device", lambda spec: device)
+    run = make_settings(mode="triforce", adaptive=adaptive, draft=draft, offload="host", budget=4096,
+                        sampling="greedy")
+    assert generation_config(run, prompt_len=32768).gamma1 == gamma1
+    assert generation_config(replace(run, gamma1=3), prompt_len=32768).gamma1 == 3  # a chosen gamma1 stays
+
+
 def test_kv_token_bytes_reads_the_model_folder(tmp_path):
     from triforce.model.loader import load_model
     from triforce.runtime.settings import kv_token_bytes

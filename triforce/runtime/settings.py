@@ -40,7 +40,7 @@ class Settings:
     cuda_graphs: bool | None = None  # None: on for a single CUDA device
     compile: bool = False  # each level's small passes as torch.compile'd graphs (seconds to compile per shape)
     device_rounds: bool | None = None  # triforce's drafter->middle rounds without host reads; None: on a GPU
-    queue_ahead: bool | None = None  # plain decoding queues each pass before reading a token; None: on a GPU
+    queue_ahead: bool | None = None  # plain passes (fixed or adaptive) queued before a token is read; None: on a GPU
     tp: int = 1
     lower_weights: str = "auto"  # the proposing levels' weights: auto (int8 on a bf16 CPU), same, int8
     weights: str = "auto"  # stored: compute with a GGUF's blocks (CPU); dequantized; auto: stored where it pays
@@ -129,6 +129,20 @@ DEFAULT_GAMMAS = {"cpu": {"speculative": (4, 0), "retrieval": (0, 3), "triforce"
 # sampled; adaptive 4.03x -> 3.87x greedy, 2.19x -> 2.77x sampled. Triforce run fixed keeps 6: at 16
 # it made 4.01x greedy (3.82x) but 0.81x sampled (1.40x), its drafter accepting 0.18 there.
 OFFLOADED_GAMMA2 = 16
+# Triforce run fixed on a GPU with the target drafting for itself drafts one token a round. A round of
+# g drafts costs g drafter passes c_d and the middle level's check m, and makes E_g = 1 + s_1 + ... +
+# s_g middle tokens (s_j: the chance that the first j drafts stand, non-increasing, so E_g <= 1 + g s_1).
+# Then E_g (c_d + m) - E_1 (g c_d + m) <= (g - 1)(s_1 m - c_d): g drafts make middle tokens no faster
+# than one wherever s_1 m <= c_d. On a GPU a pass of SmolLM2 costs its kernels, not what it reads:
+# session 36 (H200, 32K, KV in host memory, gamma2 6) timed a round of 4 drafts at 9.9 ms and one of
+# 4 looked-up drafts (no pass) at 3.9, so c_d = 1.5 and m = 3.9 ms. Sampled, the drafter accepted
+# 0.16-0.18: s_1 m = 0.6-0.7 < c_d, and triforce made 1.40x plain decoding at gamma2 6 (0.81x at 16).
+# One draft a round projects to 1.83-2.07x at 6 (results/gamma1-projection-s39.py); greedy, where it
+# accepted 0.86 (a loop), 3.77x against the 3.82x measured. The next lease measures both side by side
+# (bench system triforce-gamma1-4). A drafter of its own (llama-68m beside Llama-2-7B: 0.21 ms against
+# 6.15) keeps 4, as do the adaptive default (its lookups cost no pass and pay with longer runs) and a
+# CPU, where a middle pass also reads its budget of KV (32K: 93-98 ms against the drafter's 45-57).
+SELF_DRAFT_GPU_GAMMA1 = 1
 
 
 def default_budget(prompt_len: int, chunk: int, gpu: bool, kv_token_bytes: int = 0) -> int:
@@ -163,6 +177,8 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
 
     gpu = resolve_device(run.device).startswith("cuda")
     g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][run.mode]
+    if gpu and run.mode == "triforce" and not run.adaptive and resolve_draft(run.model, run.draft) == "self":
+        g1 = SELF_DRAFT_GPU_GAMMA1
     if gpu and g2 and run.offload == "host" and (run.adaptive or run.mode == "retrieval"):
         g2 = OFFLOADED_GAMMA2
     budget = run.budget
