@@ -182,6 +182,7 @@ def test_adaptive_queued_ahead_makes_plain_decodings_tokens(target, monkeypatch,
         assert conversation(gen, stop_ids)[:2] == expected
         # plain passes queued, other modes' rounds (a stop id may come after a token or two)
         assert stop_ids or (ran["queued"] >= 10 and ran["rounds"] >= 5), ran
+        assert sum(gen.stats.modes.values()) == gen.stats.full_passes  # the passes queued past a stop uncounted
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

@@ -458,7 +458,6 @@ class Generator:
                         plan = plan or chooser.choose(self._match(), ahead=bool(queued))
                         if plan.mode != "autoregressive":
                             break
-                        self.stats.add_mode(plan.mode)
                         plan = None
                     queued.append(self._queue_pass(len(self.context) + len(queued)))
                 if not queued:  # another mode's round, with nothing in flight
@@ -475,6 +474,7 @@ class Generator:
                 self.full.report(in_flight=len(queued))
                 self.origins = [self.full.name]
                 if chooser is not None:  # a queued pass's round: from the last token's hand-over to this one's
+                    self.stats.add_mode("autoregressive")  # counted as read: a pass queued past a stop is not
                     chooser.finished("autoregressive", time.perf_counter() - resumed, 1)
                 yield [token]
                 resumed = time.perf_counter()
