@@ -37,9 +37,10 @@ def models(tmp_path_factory):
     return target, drafter
 
 
-def run(models, mode, factory=None, graphs=None, cfg=CFG):
+def run(models, mode, factory=None, graphs=None, cfg=CFG, room=0):
+    """Prefill 101 ids and generate; `room` more positions for a turn after the answer."""
     ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(3)).tolist()
-    gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens, full_cache_factory=factory)
+    gen = Generator(models, cfg, mode, len(ids) + cfg.max_new_tokens + room, full_cache_factory=factory)
     wrapped = enable_cuda_graphs(gen, eager_static=graphs == "static") if graphs else []
     gen.prefill(ids)
     return gen.generate(), gen, wrapped
@@ -441,7 +442,8 @@ def test_plain_decoding_queued_ahead_gives_steps_tokens_on_cuda(models, cache, g
     for ahead in (False, True):
         cfg = replace(CFG, temperature=temperature, seed=7, queue_ahead=ahead)
         factory = full_cache_factory("cuda", CFG.prefill_chunk, chunk_tokens=7) if cache == "offloaded" else None
-        out, gen, _ = run(Models(target, None), "autoregressive", factory, graphs, cfg)
+        # room for the turn: the stopped answer, 3 ids, then a whole answer
+        out, gen, _ = run(Models(target, None), "autoregressive", factory, graphs, cfg, room=CFG.max_new_tokens + 3)
         stop = frozenset({out[9]})
         gen.truncate(len(gen.context) - len(out) + 1)  # back to the first token, then stop early
         first = gen.generate(stop_ids=stop)
@@ -503,7 +505,10 @@ def test_a_captured_kernel_writes_the_mapped_pinned_store():
     from triforce.offload.store import HostStore
 
     store = HostStore(2, 64, 3, 8, torch.bfloat16, pin=True)
-    k, _ = store.mapped(torch.device("cuda"))  # its probe writes the first values
+    store.k.copy_(torch.randn(store.k.shape))
+    before = store.k.clone()
+    k, _ = store.mapped(torch.device("cuda"))
+    assert torch.equal(store.k, before)  # the probe's write put back: the store as the prompt left it
     store.k.zero_()
     assert k.is_cuda and k.data_ptr() == store.k.data_ptr() and k.dtype == torch.bfloat16
     rows = torch.zeros(2, dtype=torch.long, device="cuda")

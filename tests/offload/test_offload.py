@@ -513,3 +513,19 @@ def test_on_cpu_the_store_is_its_own_mapping():
     assert cache.mapped[0] is not None and cache.store_writes() == "mapped"
     every_layer_resident = OffloadedCache(shape, 16, onchip_layers=2)
     assert every_layer_resident.mapped is None and every_layer_resident.store_writes() is None
+
+
+@pytest.mark.parametrize("lands", [True, False])
+def test_the_mapping_probe_leaves_the_store_as_it_found_it(lands):
+    """store.probe_write, which HostStore.mapped runs on CUDA after the prompt's K/V are in the store:
+    it says whether the write landed and puts the probed bytes back either way (an H200 found layer 0's
+    first key zeroed by the probe). On CPU the alias is the store itself, or a copy where it misses."""
+    from triforce.offload.store import HostStore, probe_write
+
+    store = HostStore(2, 16, 3, 4, torch.bfloat16, pin=False)
+    store.k.copy_(torch.randn(store.k.shape, generator=torch.Generator().manual_seed(1)))
+    before = store.k.clone()
+    alias = store.k if lands else store.k.clone()
+    waits = []
+    assert probe_write(store.k, alias, lambda: waits.append(1)) is lands
+    assert torch.equal(store.k, before) and len(waits) == 2

@@ -12,6 +12,8 @@ on a transposed view, so offloading changes no number the model computes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from triforce.model.attention import attend
@@ -55,13 +57,28 @@ class HostStore:
             return self.k, self.v
         try:
             k, v = _on_device(self.k, device), _on_device(self.v, device)
-            probe = torch.arange(1, 9, dtype=torch.int16, device=device)
-            k.view(-1).view(torch.int16)[:8].index_copy_(0, torch.arange(8, device=device), probe)  # a kernel's write
-            torch.cuda.synchronize(device)
-            landed = torch.equal(self.k.view(-1).view(torch.int16)[:8], probe.cpu())
+            torch.cuda.synchronize(device)  # no copy back into the store still in flight
+            landed = probe_write(self.k, k, lambda: torch.cuda.synchronize(device))
         except (RuntimeError, TypeError, ValueError, AttributeError):
             return None
         return (k, v) if landed else None
+
+
+def probe_write(host: torch.Tensor, alias: torch.Tensor, wait: Callable[[], None]) -> bool:
+    """Whether a kernel's write through `alias` lands in the memory of `host`, the same bytes seen
+    from the host. The store is probed on first use, after the prompt's K/V are in it, so the probed
+    values are put back whatever happens: else layer 0's first key would not be the one the model
+    computed (an H200 caught exactly that: 16 bytes zeroed, the tokens unchanged at a test's size)."""
+    first = host.view(-1).view(torch.int16)[:8]
+    kept = first.clone()
+    try:
+        probe = torch.arange(1, 9, dtype=torch.int16, device=alias.device)
+        alias.view(-1).view(torch.int16)[:8].index_copy_(0, torch.arange(8, device=alias.device), probe)
+        wait()
+        return torch.equal(first, probe.cpu())
+    finally:
+        wait()
+        first.copy_(kept)
 
 
 def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
