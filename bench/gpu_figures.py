@@ -75,10 +75,11 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     # the adaptive rows in the steady state here too: a fresh run at 4K spent most of its 64 tokens
     # capturing a graph for each width its first tries used (session 35: 0.20x plain decoding)
     resident = [*bench, "--contexts", contexts, "--offload", "none", "--dtype", "bfloat16", "--learned"]
-    # the adaptive default weighs lookups beside its drafter (session 26); beside it, the default without
+    # the adaptive default beside the same weighing lookups beside its drafter (the GPU default from
+    # session 26 to 39; runtime/settings.py SELF_DRAFT_GPU_LOOKUP says why it weighs none now), and
     # triforce at its GPU default gamma1 (1 with the target drafting for itself since session 39)
     # beside the 4 before, in the host-memory steps (runtime/settings.py SELF_DRAFT_GPU_GAMMA1)
-    out.append(("kv host greedy", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-no-lookup,hf-offloaded", *greedy]))
+    out.append(("kv host greedy", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-lookup,hf-offloaded", *greedy]))
     # SmolLM2 drafting for itself costs what its middle pass costs (~850 kernels each), so a
     # drafter->middle round cannot beat the middle level alone; drafts looked up in the sequence cost
     # a few kernels (speculative/lookup.py): triforce's levels with them, at 32K, greedy and sampled
@@ -87,7 +88,7 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
               "--learned", "--systems", "autoregressive,retrieval,speculative,triforce,adaptive"]
     out.append(("lookup kv host greedy", [*lookup, *greedy]))
     # the product's regime sampled before anything that compiles (a 15-minute lease, session 35)
-    out.append(("kv host sampled", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-no-lookup", *sampled]))
+    out.append(("kv host sampled", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-lookup", *sampled]))
     out.append(("lookup kv host sampled", [*lookup, *sampled]))
     # transformers' static cache compiles once per context (minutes with both; it ate session 23's
     # lease): after every host-memory step, so that a compile that overruns costs only what follows

@@ -17,7 +17,7 @@ OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  #
 # --compile, plain decoding one pass at a time
 VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "retrieval-compiled", "triforce-compiled",
             "adaptive-compiled", "adaptive-no-lookup", "autoregressive-waiting", "adaptive-waiting",
-            "triforce-gamma1-4")
+            "triforce-gamma1-4", "adaptive-lookup")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
@@ -36,7 +36,10 @@ SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 "triforce-compiled": ("triforce", {"compile": True}, ["--no-adaptive", "--compile"]),
                 "adaptive-compiled": ("triforce", {"adaptive": True, "compile": True}, ["--compile"]),
                 # the adaptive default without lookups beside its model drafter (the default before session 26)
-                "adaptive-no-lookup": ("triforce", {"adaptive": True, "lookup": False}, ["--no-lookup"])}
+                "adaptive-no-lookup": ("triforce", {"adaptive": True, "lookup": False}, ["--no-lookup"]),
+                # the adaptive default weighing lookups beside the target drafting for itself on a GPU
+                # (the default there before session 40: runtime/settings.py SELF_DRAFT_GPU_LOOKUP)
+                "adaptive-lookup": ("triforce", {"adaptive": True, "lookup": True}, ["--lookup"])}
 
 
 def engine_mode(system: str) -> str:

@@ -26,8 +26,8 @@ def test_the_plan_covers_the_figures():
                 and "--draft lookup" not in c and "--gamma2" not in c and "--timeline" not in c]
         assert len(runs) == 2 and sum("--temperature" in c for c in runs) == 1
         assert all("4096,32768" in c and gpu_figures.OURS in c for c in runs)
-        # the adaptive default beside the same without lookups, with the KV in host memory
-        assert all(("adaptive-no-lookup" in c) == (offload == "host") for c in runs)
+        # the adaptive default beside the same weighing lookups, with the KV in host memory
+        assert all(("adaptive-lookup" in c) == (offload == "host") for c in runs)
         assert all("--learned" in c for c in runs)  # the adaptive rows in the steady state
     assert any("hf-static" in c for c in commands) and any("hf-offloaded" in c for c in commands)
     assert any(c.startswith("bench.linkbench") for c in commands)

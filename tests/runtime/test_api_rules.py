@@ -136,7 +136,8 @@ def test_gamma2_defaults_follow_the_device_and_where_the_kv_lives(monkeypatch, m
     (False, "self", "cuda", 1),
     (False, "lookup", "cuda", 4),  # lookups cost no pass
     (False, "/models/llama-68m", "cuda", 4),  # a drafter of its own, far cheaper than the middle pass
-    (True, None, "cuda", 4),  # the adaptive default: its triforce-lookup rounds run at gamma1 too
+    (True, None, "cuda", 1),  # the adaptive default there weighs no lookups (SELF_DRAFT_GPU_LOOKUP)
+    (True, "/models/llama-68m", "cuda", 4),  # it weighs lookups beside a drafter of its own: their rounds too
     (False, None, "cpu", 2),  # a CPU's middle pass also reads its budget of KV
 ])
 def test_gamma1_defaults_follow_what_a_draft_costs(monkeypatch, adaptive, draft, device, gamma1):
@@ -150,6 +151,26 @@ def test_gamma1_defaults_follow_what_a_draft_costs(monkeypatch, adaptive, draft,
                         sampling="greedy")
     assert generation_config(run, prompt_len=32768).gamma1 == gamma1
     assert generation_config(replace(run, gamma1=3), prompt_len=32768).gamma1 == 3  # a chosen gamma1 stays
+    assert generation_config(replace(run, lookup=True), prompt_len=32768).gamma1 == (4 if adaptive else gamma1)
+
+
+@pytest.mark.parametrize("draft,device,lookup", [
+    (None, "cuda", False),  # the target drafting for itself on a GPU: retrieval beats lookups there
+    ("self", "cuda", False),
+    ("/models/llama-68m", "cuda", True),  # a drafter of its own: unmeasured on a GPU, lookups as before
+    (None, "cpu", True),  # a CPU's middle pass reads its budget of KV; a lookup costs nothing
+])
+def test_adaptive_weighs_lookups_where_they_paid(monkeypatch, draft, device, lookup):
+    """runtime/settings.py SELF_DRAFT_GPU_LOOKUP: on H200s the adaptive default weighing lookups beside
+    the target drafting for itself made 2.10x plain decoding at 32K, 2.93x without; a choice stays."""
+    import triforce.parallel
+    from triforce.runtime.settings import generation_config, make_settings
+
+    monkeypatch.setattr(triforce.parallel, "resolve_device", lambda spec: device)
+    run = make_settings(mode="triforce", draft=draft, offload="host", budget=4096, sampling="greedy")
+    assert run.adaptive and generation_config(run, prompt_len=32768).lookup is lookup
+    for chosen in (True, False):
+        assert generation_config(replace(run, lookup=chosen), prompt_len=32768).lookup is chosen
 
 
 def test_kv_token_bytes_reads_the_model_folder(tmp_path):

@@ -88,7 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser, adaptive: bool | None = None) ->
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=DEFAULTS.lookup,
                    help="adaptive runs with a model drafter also weigh drafting by lookup in its place (the tokens "
                         "that followed the text's last 1-6 tokens where they last appeared; no weights read), "
-                        "run where it measures cheaper: a quotation, code, a loop (default: on)")
+                        "run where it measures cheaper: a quotation, code, a loop (default: on, but off on a GPU "
+                        "with the target drafting for itself, where retrieval beats them)")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     g.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: the checkpoint's generation_config.json, greedy if it has none)")

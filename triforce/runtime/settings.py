@@ -61,7 +61,9 @@ class Settings:
     rebuild_threshold: float = 0.0
     prefill_chunk: int | None = None
     adaptive: bool = True  # each full pass runs the mode measured cheapest (lossless either way)
-    lookup: bool = True  # adaptive, with a model drafter: also weigh drafts looked up in the text in its place
+    # adaptive, with a model drafter: also weigh drafts looked up in the text in its place; None: not on
+    # a GPU with the target drafting for itself (SELF_DRAFT_GPU_LOOKUP), else yes
+    lookup: bool | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,9 +142,21 @@ OFFLOADED_GAMMA2 = 16
 # One draft a round projects to 1.83-2.07x at 6 (results/gamma1-projection-s39.py); greedy, where it
 # accepted 0.86 (a loop), 3.77x against the 3.82x measured. The next lease measures both side by side
 # (bench system triforce-gamma1-4). A drafter of its own (llama-68m beside Llama-2-7B: 0.21 ms against
-# 6.15) keeps 4, as do the adaptive default (its lookups cost no pass and pay with longer runs) and a
+# 6.15) keeps 4, as do an adaptive run weighing lookups (they cost no pass and pay with longer runs) and a
 # CPU, where a middle pass also reads its budget of KV (32K: 93-98 ms against the drafter's 45-57).
 SELF_DRAFT_GPU_GAMMA1 = 1
+# The adaptive default on a GPU with the target drafting for itself weighs no lookups (--lookup: it
+# does). There retrieval beats every other plan at long context, and a chooser weighing lookups and
+# lookup-fed triforce beside it spent its 64-token runs trying them: a bad plan's rounds, and the CUDA
+# graphs of its new pass widths captured inside the answer (100+ ms each). SmolLM2 at 32K, the KV in
+# host memory, on H200s, x plain decoding, with lookups weighed / without, in the same run:
+#   session 36 (gamma2 6):  greedy 1.53 / 2.75, 4.03 / 4.09;  sampled 1.65 / 1.48, 2.19 / 2.40
+#   session 40 (gamma2 16): greedy 2.15 / 4.18;               sampled 1.06 / 2.67
+# (results/gpu-2026-11-27-h200-{b,d}.json, results/gpu-2026-11-27-h200-s40-b.json): 2.10x against
+# 2.93x on average, 5 of 6 pairs. Lookups still serve a CPU, where a middle pass reads its budget of
+# KV and a lookup costs nothing, and `--draft lookup`. The bench system adaptive-lookup keeps the
+# setting before, for the next lease to time beside the default.
+SELF_DRAFT_GPU_LOOKUP = False
 
 
 def default_budget(prompt_len: int, chunk: int, gpu: bool, kv_token_bytes: int = 0) -> int:
@@ -177,7 +191,10 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
 
     gpu = resolve_device(run.device).startswith("cuda")
     g1, g2 = DEFAULT_GAMMAS["cuda" if gpu else "cpu"][run.mode]
-    if gpu and run.mode == "triforce" and not run.adaptive and resolve_draft(run.model, run.draft) == "self":
+    self_draft = gpu and resolve_draft(run.model, run.draft) == "self"
+    lookup = run.lookup if run.lookup is not None else SELF_DRAFT_GPU_LOOKUP if self_draft else True
+    # an adaptive run weighing lookups drafts them gamma1 at a time too (they cost no pass)
+    if self_draft and run.mode == "triforce" and not (run.adaptive and lookup):
         g1 = SELF_DRAFT_GPU_GAMMA1
     if gpu and g2 and run.offload == "host" and (run.adaptive or run.mode == "retrieval"):
         g2 = OFFLOADED_GAMMA2
@@ -196,7 +213,7 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
         gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
         draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
         prefill_chunk=run.prefill_chunk,  # None: the device's default piece (GenerationConfig.prefill_piece)
-        adaptive=run.adaptive, lookup=run.lookup, device_rounds=run.device_rounds, queue_ahead=run.queue_ahead)
+        adaptive=run.adaptive, lookup=lookup, device_rounds=run.device_rounds, queue_ahead=run.queue_ahead)
 
 
 def generation_plan(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):
