@@ -294,9 +294,15 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
 def engine_facts(gen) -> dict:
     """How one of our systems' passes ran, which its speed depends on: plain decoding with a pass
     queued ahead of the host (engine.Generator._queued_tokens), and where the full cache is offloaded
-    how its passes' new K/V reach the host store (OffloadedCache.store_writes)."""
+    how its passes' new K/V reach the host store (OffloadedCache.store_writes); on CUDA, which pass
+    shapes the device measured faster as one-query heads (model/folded_heads.py), so far in the process."""
+    from triforce.model import folded_heads
+
     writes = getattr(gen.full.cache, "store_writes", None)
-    return {"queued_ahead": gen.reads is not None, "store_writes": writes() if writes else None}
+    facts = {"queued_ahead": gen.reads is not None, "store_writes": writes() if writes else None}
+    if gen.device.type == "cuda":
+        facts["folded_heads"] = folded_heads.decisions()
+    return facts
 
 
 def profiled_run(gen, prefilled, learned: bool) -> dict:

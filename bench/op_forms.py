@@ -13,7 +13,9 @@ attention which fused kernels take each form:
   query head and the scores in float32; beside them `split us`, the keys in pieces of 512 merged by
   their log-sum-exps (model/split_keys.py, what the engine runs for a verification pass over 4,096
   keys or more on CUDA since session 35; since session 36 a layer after a pass's first, which reuses
-  the first's bias: the first layer pays two kernels more);
+  the first's bias: the first layer pays two kernels more); and `folded us`, each (head, query) a
+  one-query head of its own for cuDNN's one-query kernel (model/folded_heads.py, session 40; the
+  engine times it against the split keys per shape and keeps the faster);
 - attention, a later prefill piece (T queries, the last T of S keys, causal): a boolean (T, S) mask
   with the flag against shared heads under torch's lower-right causal bias, no mask;
 - RMSNorm (T rows, 16-bit): float32 statistics then the model dtype then the weight (4 kernels,
@@ -37,12 +39,14 @@ from torch.nn.attention.bias import causal_lower_right
 from triforce.cli.common import run_cli
 from triforce.model.attention import aligned_mask, attend_grouped_flag, fused_kernels_taking, shared_heads_sdpa
 from triforce.model.errors import UserError
+from triforce.model.folded_heads import cudnn_takes, folded_heads_attention
 from triforce.model.split_keys import split_keys_attention
 
-DECODE = [(1, 4096), (7, 4096), (1, 32768), (7, 32768)]
+# (2, 8192): the middle level's check of one draft against the retrieval cache at 32K (triforce's gamma1 1)
+DECODE = [(1, 4096), (7, 4096), (2, 8192), (1, 32768), (7, 32768)]
 PREFILL = [(2048, 32768)]
 NORM_ROWS = [1, 7]
-SMALL_DECODE, SMALL_PREFILL = [(1, 256), (7, 256)], [(64, 256)]
+SMALL_DECODE, SMALL_PREFILL = [(1, 256), (2, 256), (7, 256)], [(64, 256)]
 
 
 def seconds_per_call(fn, repeats: int, device: torch.device) -> float:
@@ -102,18 +106,22 @@ def attention_row(kind: str, T: int, S: int, heads: tuple[int, int], D: int, dty
     row = side_by_side(row, lambda: attend_grouped_flag(q, keys, values, mask_before),
                        lambda: shared_heads_sdpa(q, keys, values, mask_ours), repeats, device)
     if kind == "decode" and "ours_refused" not in row:  # the keys in pieces (model/split_keys.py) beside both
-        row.update(split_row(lambda: attend_grouped_flag(q, keys, values, mask),
-                             lambda: split_keys_attention(q, keys, values, mask), repeats, device))
+        before = lambda: attend_grouped_flag(q, keys, values, mask)  # noqa: E731
+        row.update(form_row("split", before, lambda: split_keys_attention(q, keys, values, mask), repeats, device))
+        if T > 1:  # the few queries as one-query heads (model/folded_heads.py), where cuDNN takes them
+            row["folded_cudnn"] = cudnn_takes(q, keys, values, mask)
+            row.update(form_row("folded", before, lambda: folded_heads_attention(q, keys, values, mask),
+                                repeats, device))
     return row
 
 
-def split_row(before, split, repeats: int, device) -> dict:
-    """The split-keys form's time and its largest difference from the form before (or why it failed)."""
+def form_row(name: str, before, form, repeats: int, device) -> dict:
+    """A form's time and its largest difference from the form before (or why it failed)."""
     try:
-        difference = (before().float() - split().float()).abs().max().item()
+        difference = (before().float() - form().float()).abs().max().item()
     except RuntimeError as e:
-        return {"split_refused": str(e).splitlines()[0]}
-    return {"us_split": 1e6 * seconds_per_call(split, repeats, device), "max_difference_split": difference}
+        return {f"{name}_refused": str(e).splitlines()[0]}
+    return {f"us_{name}": 1e6 * seconds_per_call(form, repeats, device), f"max_difference_{name}": difference}
 
 
 def norm_row(T: int, hidden: int, dtype, device, repeats: int) -> dict:
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
             for T, S in shapes]
     rows += [norm_row(T, args.hidden, dtype, device, repeats) for T in NORM_ROWS]
     print(f"{'op':18} {'T':>5} {'S':>6}  {'before us':>10}  {'ours us':>8}  {'speedup':>7}  {'split us':>8}  "
-          "fused kernels (before / ours)")
+          f"{'folded us':>9}  fused kernels (before / ours)")
     for row in rows:
         where = f"{row['op']:18} {row['T']:>5} {row.get('S', '-'):>6}"
         if "ours_refused" in row:
@@ -158,8 +166,9 @@ def main(argv=None) -> int:
             continue
         takes = lambda d: ",".join(k for k, v in d.items() if v) or "math"  # noqa: E731
         fused = f"{takes(row['kernels_before'])} / {takes(row['kernels_ours'])}" if "kernels_ours" in row and not small else "-"
-        split = f"{row['us_split']:>8.1f}" if "us_split" in row else f"{'-' if 'split_refused' not in row else 'failed':>8}"
-        print(f"{where}  {row['us_before']:>10.1f}  {row['us_ours']:>8.1f}  {row['speedup']:>6.2f}x  {split}  {fused}")
+        split, folded = (f"{row[f'us_{n}']:>{w}.1f}" if f"us_{n}" in row else
+                         f"{'-' if f'{n}_refused' not in row else 'failed':>{w}}" for n, w in (("split", 8), ("folded", 9)))
+        print(f"{where}  {row['us_before']:>10.1f}  {row['us_ours']:>8.1f}  {row['speedup']:>6.2f}x  {split}  {folded}  {fused}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

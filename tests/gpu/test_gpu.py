@@ -429,6 +429,35 @@ def test_one_query_takes_the_grouped_call_where_cudnn_does(S):
 
 
 @cuda
+@pytest.mark.parametrize("T,S", [(2, 8192), (5, 8192), (7, 32768), (2, 300)])
+def test_few_queries_as_one_query_heads_on_cuda(monkeypatch, T, S):
+    """model/folded_heads.py on CUDA: the same attention as the split keys (or SDPA), decided by the
+    device's clock at the first eager call and replayed in a graph as decided."""
+    from triforce.model import folded_heads
+    from ..model.test_split_keys import reference, static_view_mask
+
+    monkeypatch.setattr(folded_heads, "_FOLDED_SERVES", {})
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(T, 9, 64, generator=g).to("cuda", torch.bfloat16)
+    keys, values = (torch.randn(S, 3, 64, generator=g).to("cuda", torch.bfloat16).transpose(0, 1) for _ in "kv")
+    mask = static_view_mask(T, S, S - 100, torch.bfloat16).cuda()
+    want = reference(q.cpu(), keys.cpu(), values.cpu(), mask.cpu())
+    folded = folded_heads.folded_heads_attention(q, keys, values, mask)
+    torch.testing.assert_close(folded.double().cpu(), want, atol=2e-2, rtol=2e-2)
+    got = attention.attend_shared_heads(q, keys, values, mask)  # decides the shape: timed both ways
+    decided = folded_heads.decisions()
+    assert len(decided) == 1
+    print(f"\n{T} x {S}: folded heads serve: {list(decided.values())[0]} (cuDNN takes them: "
+          f"{folded_heads.cudnn_takes(q, keys, values, mask)})")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention.attend_shared_heads(q, keys, values, mask)
+    graph.replay()
+    assert torch.equal(captured, got) and len(folded_heads.decisions()) == 1
+    torch.testing.assert_close(got.double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@cuda
 @pytest.mark.parametrize("cache", ["resident", "offloaded"])
 @pytest.mark.parametrize("graphs", [None, "cuda"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

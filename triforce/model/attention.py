@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, decode_attention_f32, key_tiles, kv_dtype, layer_ops, split_keys
+from . import decode_attention, decode_attention_f32, folded_heads, key_tiles, kv_dtype, layer_ops, split_keys
 
 SDPA_MIN_QUERIES = 32  # below this, grouped matmuls beat SDPA on CPU (docs/results/2026-11-23-cpu-epyc-2core.md)
 # Which attention a bf16 prefill piece on CPU takes: True, decode_attention.prefill; False, torch's SDPA;
@@ -211,8 +211,11 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     takes the grouped-heads call where cuDNN's kernel accepts it, which split the keys itself: 12.6
     us a layer at 32K keys against 26.0 for the zero-stride view (6.5 against 8.1 at 4K). A one-query
     step that cuDNN takes in neither form (float32) splits the keys too (session 37: the memory-
-    efficient kernel made float32 plain decoding in host memory 120 ms a pass at 32K)."""
-    refused = (q.dtype, torch.is_tensor(mask))
+    efficient kernel made float32 plain decoding in host memory 120 ms a pass at 32K).
+
+    A pass of 2-32 queries may also run as that one-query call, each (head, query) a head of its own
+    (model/folded_heads.py), where the device measured it faster for the shape (session 40: the
+    middle level's 2-position check cost twice its 1-position pass through the split keys)."""
     # a plain (T, S) tensor: CausalBias (a later prefill piece's) is a Tensor subclass, and importing
     # its module to test for it imports torch._dynamo, a second of every run's start
     dense = type(mask) is torch.Tensor
@@ -221,6 +224,15 @@ def attend_shared_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             return attend_grouped_flag(q, keys, values, mask)
         if takes_cudnn(q, keys, values, mask, grouped=False):  # cuDNN splits the keys in this form too
             return shared_heads_sdpa(q, keys, values, mask)
+    if dense and q.is_cuda and folded_heads.serves(q, keys, values, mask,
+                                                   lambda: _many_queries(q, keys, values, mask, dense)):
+        return folded_heads.folded_heads_attention(q, keys, values, mask)
+    return _many_queries(q, keys, values, mask, dense)
+
+
+def _many_queries(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, dense: bool) -> torch.Tensor:
+    """attend_shared_heads' forms for what no one-query call serves: the split keys, else SDPA."""
+    refused = (q.dtype, torch.is_tensor(mask))
     if dense and split_keys.serves(q.shape[0], keys.shape[1], q) and q.dtype not in _SPLIT_REFUSED:
         # a verification pass over a long cache: the keys in pieces, or 9 thread blocks walk 32K keys
         try:
