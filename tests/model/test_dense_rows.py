@@ -15,7 +15,16 @@ SHAPES = [(49152, 576), (1536, 8960), (8960, 1536), (256, 1536)]
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-def test_a_row_gets_its_bits_alone_and_among_others(out_features, in_features, dtype, threads):
+@pytest.mark.parametrize("pairs", [None, True], ids=["this-cpu", "in-pairs"])
+def test_a_row_gets_its_bits_alone_and_among_others(monkeypatch, out_features, in_features, dtype, threads, pairs):
+    """On the machine at hand, and with the rows in pairs (the form for CPUs whose many-row kernels
+    round apart: transformer.rows_share_kernels) wherever this one is not such a CPU."""
+    from triforce.model import transformer
+
+    if pairs:
+        if not transformer.rows_share_kernels():
+            pytest.skip("this CPU takes the pairs already (the this-cpu case)")
+        monkeypatch.setattr(transformer, "rows_share_kernels", lambda: False)
     g = torch.Generator().manual_seed(out_features + in_features)
     weight = (0.02 * torch.randn(out_features, in_features, generator=g)).to(dtype)
     bias = (0.1 * torch.randn(out_features, generator=g)).to(dtype)

@@ -89,7 +89,11 @@ class PackedLinear(nn.Module):
         self.compiled_f32 = dtype == torch.float32 and records is None and stored_f32.available()
         if self.compiled_f32 or self.block_kernel is not None:
             self.kernel_dtype = None
-        if self.kernel_dtype is not None:
+        if self.kernel_dtype is not None and codes.is_meta:  # shape_only: the packed state's shapes alone
+            rows = self.out_features - self.out_features % -KERNEL_ROW_MULTIPLE
+            self.register_buffer("packed", shape_only((rows, self.packed_k // 2), torch.uint8))
+            self.register_buffer("scales_and_zeros", shape_only((scales.shape[1], rows, 2), dtype))
+        elif self.kernel_dtype is not None:
             # the kernel packs rows 16 at a time: pad with zero weights (scale 0, zero 0), cut after
             pad = -self.out_features % KERNEL_ROW_MULTIPLE
             codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes.to(torch.int32), scales, zeros))

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import functools
 from functools import partial
 
-from . import cpu_pool, eager_steps, first_calls, key_tiles, layer_ops
+from . import cpu_pool, eager_steps, first_calls, key_tiles, kv_dtype, layer_ops
 from .kv import KVShape
 from .config import ModelConfig
 from .rope import Rotary, apply_rotary
@@ -35,14 +36,32 @@ def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     text changed with the passes an adaptive run chose), while among two or more rows each row's result
     is independent of the others (tests/model/test_dense_rows.py checks this on the machine at hand).
     So a single 16-bit CPU row goes through the two-row kernel beside a copy of itself: as fast or
-    faster (1 and 2 threads, Qwen's shapes), and the same bits as in any verification pass."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype in ROW_PAIRED_DTYPES and x.device.type == "cpu" \
-            and not torch.compiler.is_compiling():
-        return F.linear(x.expand(2, -1), weight, bias)[:1]
+    faster (1 and 2 threads, Qwen's shapes), and the same bits as in any verification pass.
+
+    Where the CPU has no bf16 dot product (a Xeon with avx512 but neither avx512_bf16 nor AMX, session
+    40), oneDNN's product of 4 or more bf16 rows takes other kernels again, whose bits differ from
+    the two-row kernel's, and an odd count's last rows differ from an even count's. There every pass
+    goes through two-row products, rows in pairs: each row gets the bits it gets alone, at about the
+    cost of one product of 4 rows per pair (SmolLM2's 49,152 x 576 head, 2 threads: 7.2 ms a pair,
+    13.5 for 4 rows at once)."""
+    if x.dim() == 2 and x.dtype in ROW_PAIRED_DTYPES and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if x.shape[0] == 1:
+            return F.linear(x.expand(2, -1), weight, bias)[:1]
+        if not rows_share_kernels():
+            return torch.cat([F.linear(x[r:r + 2] if r + 2 <= x.shape[0] else x[r:].expand(2, -1), weight, bias)
+                              for r in range(0, x.shape[0], 2)])[:x.shape[0]]
     return F.linear(x, weight, bias)
 
 
 ROW_PAIRED_DTYPES = (torch.bfloat16, torch.float16)  # float32's product (MKL) rounds rows by their count: no cure here
+
+
+@functools.lru_cache(maxsize=None)
+def rows_share_kernels() -> bool:
+    """Whether oneDNN computes each of many 16-bit rows as it computes two (tests/model/
+    test_dense_rows.py, on the machine at hand): seen where the CPU multiplies bf16 itself (an EPYC
+    with avx512_bf16, a Xeon with AMX), not on a Xeon with avx512 alone."""
+    return bool({"avx512_bf16", "amx_bf16"} & kv_dtype.cpu_flags())
 
 
 class Linear(nn.Linear):
