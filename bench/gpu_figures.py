@@ -17,8 +17,9 @@ step, so a call stopped at its limit still returns what was done. A lent machine
 `--deadline S` gives the whole plan S seconds (each step's limit shrinks to what is left, a step with
 too little left is recorded as skipped), and `--only`/`--skip` split the plan between calls.
 Without CUDA it prints one line and exits 2. `--rehearse` runs the same plan on this machine's CPU at
-512 and 1,024 tokens (8 new tokens, the link step on random weights of 2 layers): it proves every
-step's command runs before device time is spent on it (its figures mean nothing). Getting the model
+512 and 1,024 tokens (8 new tokens, the model's first 4 layers, the link step on random weights of 2
+layers): it proves every step's command runs before device time is spent on it (its figures mean
+nothing). Getting the model
 onto a lent GPU machine: docs/gpu-session.md.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from bench.gpu_stage import staged_book
 from triforce.cli.common import run_cli
 from triforce.model.errors import UserError
+from triforce.model.gguf_loader import MARKER
 from triforce.runtime.defaults import MODELS_DIR
 
 # triforce: device rounds on a GPU; adaptive: the default mode, choosing among the others as it measures
@@ -43,6 +45,10 @@ MODEL = "models/smollm2-135m"
 
 
 CONTEXTS, REHEARSAL_CONTEXTS = "4096,32768", "512,1024"
+# the rehearsal's model: the checkpoint's first layers. All 30 of SmolLM2's made the rehearsal take
+# over 15 minutes on a 2-core Xeon without bf16 dot products (its compiled steps over 5 each), and
+# depth changes no command line
+REHEARSAL_LAYERS = 4
 # the steps that need no checkpoint (random weights, tiny models): the first call of a lease runs them
 # while the model's second half is on its way (docs/gpu-session.md)
 NO_MODEL = "link floor,op forms,op forms llama-3,graph == eager tokens,kernels per layer,big target"
@@ -151,6 +157,24 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     return out
 
 
+def rehearsal_model(folder: str | Path, scratch: Path) -> Path:
+    """The model's folder with its config cut to its first REHEARSAL_LAYERS layers (the loader reads
+    only the layers the config names): its files linked, not copied, and no GGUF marker, so it loads
+    the folder's dense weights."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} has no config.json: prepare the model first (python -m triforce prepare)")
+    out = scratch / "rehearsal-model" / folder.name
+    out.mkdir(parents=True)
+    for f in folder.iterdir():
+        if f.is_file() and f.name not in ("config.json", MARKER):
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = min(REHEARSAL_LAYERS, config["num_hidden_layers"])
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def run_step(name: str, argv: list[str], scratch: Path, timeout: float) -> dict:
     """One tool in its own process; a bench step's --out JSON (or a tool's JSON lines) is kept."""
     out_file = scratch / (name.replace(" ", "-").replace("=", "eq") + ".json")
@@ -256,9 +280,13 @@ def main(argv=None) -> int:
     out = Path(args.out or ("bench-out/gpu-rehearsal.json" if args.rehearse else f"results/gpu-{time.strftime('%Y-%m-%d')}.json"))
     device = "cpu (rehearsal: the figures mean nothing)" if args.rehearse else torch.cuda.get_device_name(0)
     began = time.perf_counter()
-    figures = {"device": device, "model": args.model, "new_tokens": new_tokens, "steps": []}
+    model = f"{args.model} (first {REHEARSAL_LAYERS} layers)" if args.rehearse else args.model
+    figures = {"device": device, "model": model, "new_tokens": new_tokens, "steps": []}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
+        if args.rehearse:
+            cut = rehearsal_model(args.model, Path(scratch))
+            plan = chosen(steps(str(cut), new_tokens, True, prompt_file), args.only, args.skip)
         for name, step_argv in plan:
             left = args.deadline - (time.perf_counter() - began) if args.deadline is not None else args.step_timeout
             if left < MIN_STEP_SECONDS:

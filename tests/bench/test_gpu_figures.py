@@ -105,10 +105,11 @@ MODEL = ROOT / "models" / "smollm2-135m"
 @pytest.mark.skipif(not MODEL.is_dir(), reason="models/smollm2-135m missing: run triforce-prepare")
 def test_the_rehearsal_runs_every_step(tmp_path):
     """Every step of the GPU plan runs to exit 0 on this CPU at small sizes, so device time is not
-    spent finding a broken command line."""
+    spent finding a broken command line. About 7 minutes on an idle 2-core avx512 Xeon (the limit is
+    a hang guard)."""
     out = tmp_path / "rehearsal.json"
     done = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert [s["name"] for s in figures["steps"]] == [n for n, _ in gpu_figures.steps("m", 8, rehearse=True)]
@@ -174,3 +175,25 @@ def test_a_failed_step_keeps_its_error_and_folds_repeated_warnings():
     kept = kept_output(long, failed=True)
     assert kept.startswith("line 0\n") and kept.endswith("line 4999") and "[...]" in kept
     assert kept_output(long, failed=False) == long[-2000:]
+
+
+def test_the_rehearsal_model_is_the_checkpoint_cut_to_its_first_layers(tmp_path):
+    """The rehearsal's model loads the first REHEARSAL_LAYERS layers of the same weights (linked, not
+    copied), dense even where the folder was prepared from a GGUF."""
+    from tests.conftest import save_tiny, save_tokenizer
+    from triforce.model.loader import load_model
+
+    folder = tmp_path / "six"
+    save_tiny(folder, seed=3, vocab=64, layers=6)
+    save_tokenizer(folder, vocab=64)
+    (folder / gpu_figures.MARKER).write_text(json.dumps({"source_gguf": "/nowhere.gguf"}))
+    cut = gpu_figures.rehearsal_model(folder, tmp_path / "scratch")
+    assert json.loads((cut / "config.json").read_text())["num_hidden_layers"] == gpu_figures.REHEARSAL_LAYERS
+    assert not (cut / gpu_figures.MARKER).exists() and (cut / "model.safetensors").is_symlink()
+    full, part = load_model(folder), load_model(cut)
+    assert len(part.layers) == gpu_figures.REHEARSAL_LAYERS < len(full.layers)
+    whole = full.state_dict()
+    for name, value in part.state_dict().items():
+        assert torch.equal(value, whole[name]), name
+    with pytest.raises(gpu_figures.UserError, match="has no config.json"):
+        gpu_figures.rehearsal_model(tmp_path / "missing", tmp_path / "scratch2")
