@@ -160,10 +160,11 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
 def rehearsal_model(folder: str | Path, scratch: Path) -> Path:
     """The model's folder with its config cut to its first REHEARSAL_LAYERS layers (the loader reads
     only the layers the config names): its files linked, not copied, and no GGUF marker, so it loads
-    the folder's dense weights."""
+    the folder's dense weights. A folder without a config is returned as it is: the steps that read
+    the model then say it is missing, and those that need none still rehearse."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise UserError(f"{folder} has no config.json: prepare the model first (python -m triforce prepare)")
+        return folder
     out = scratch / "rehearsal-model" / folder.name
     out.mkdir(parents=True)
     for f in folder.iterdir():
@@ -280,13 +281,13 @@ def main(argv=None) -> int:
     out = Path(args.out or ("bench-out/gpu-rehearsal.json" if args.rehearse else f"results/gpu-{time.strftime('%Y-%m-%d')}.json"))
     device = "cpu (rehearsal: the figures mean nothing)" if args.rehearse else torch.cuda.get_device_name(0)
     began = time.perf_counter()
-    model = f"{args.model} (first {REHEARSAL_LAYERS} layers)" if args.rehearse else args.model
-    figures = {"device": device, "model": model, "new_tokens": new_tokens, "steps": []}
+    figures = {"device": device, "model": args.model, "new_tokens": new_tokens, "steps": []}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         if args.rehearse:
             cut = rehearsal_model(args.model, Path(scratch))
             plan = chosen(steps(str(cut), new_tokens, True, prompt_file), args.only, args.skip)
+            figures["model"] += f" (first {REHEARSAL_LAYERS} layers)" if cut != Path(args.model) else ""
         for name, step_argv in plan:
             left = args.deadline - (time.perf_counter() - began) if args.deadline is not None else args.step_timeout
             if left < MIN_STEP_SECONDS:

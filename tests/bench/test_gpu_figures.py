@@ -195,5 +195,5 @@ def test_the_rehearsal_model_is_the_checkpoint_cut_to_its_first_layers(tmp_path)
     whole = full.state_dict()
     for name, value in part.state_dict().items():
         assert torch.equal(value, whole[name]), name
-    with pytest.raises(gpu_figures.UserError, match="has no config.json"):
-        gpu_figures.rehearsal_model(tmp_path / "missing", tmp_path / "scratch2")
+    # no model prepared: the steps that read it say so themselves, the others rehearse
+    assert gpu_figures.rehearsal_model(tmp_path / "missing", tmp_path / "scratch2") == tmp_path / "missing"
