@@ -21,7 +21,7 @@ from triforce.speculative.sampling import Sampler
 from ..helpers import run
 from ..conftest import save_tiny
 from .test_sampling import PROMPT as SAMPLING_PROMPT, SETTINGS as SAMPLING_SETTINGS
-from .test_sampling import chi_square_rejects, exact_joint, models  # noqa: F401 (models: a fixture)
+from .test_sampling import SAMPLES, chi_square_rejects, exact_joint, models  # noqa: F401 (models: a fixture)
 
 # ------------------------------------------------------------------------------ arithmetic
 
@@ -659,7 +659,7 @@ def plain_or_random(monkeypatch, seed: int) -> None:
 
 @pytest.mark.parametrize("plans", ["random", "by history", "plain or random, queued ahead"])
 def test_sampled_distribution_is_exact_whatever_the_plans(models, monkeypatch, plans):  # noqa: F811
-    """As test_sampling.py: 3,000 seeds, the joint law of tokens 2 and 3 against enumeration, with
+    """As test_sampling.py: SAMPLES seeds, the joint law of tokens 2 and 3 against enumeration, with
     the plan of each pass drawn at random (a different stream from the sampler's), or chosen from
     the acceptance so far (so the plan of the pass that draws token 3 depends on token 2's), or
     plain decoding queued ahead (engine._queued_tokens: a plan chosen before the last token is read)
@@ -669,7 +669,7 @@ def test_sampled_distribution_is_exact_whatever_the_plans(models, monkeypatch, p
      "plain or random, queued ahead": lambda: plain_or_random(monkeypatch, seed=0)}[plans]()
     cfg = {**SAMPLING_SETTINGS, "adaptive": True, "queue_ahead": plans.endswith("queued ahead")}
     counts = torch.zeros(8, 8, dtype=torch.float64)
-    for seed in range(3000):
+    for seed in range(SAMPLES):
         gen = Generator(Models(target, drafter), GenerationConfig(**cfg, seed=seed), "triforce",
                         max_len=len(SAMPLING_PROMPT) + 8)
         assert (gen.reads is not None) == cfg["queue_ahead"]

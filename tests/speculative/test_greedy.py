@@ -75,18 +75,24 @@ def test_rebuild_on_low_acceptance(pair):
 ROUNDS = pytest.mark.parametrize("device_rounds", [False, True, WHOLE], ids=["host-rounds", "device-rounds", "whole-rounds"])
 
 
+LONG_PROMPT = prompt(300, 9)
+LONG = GenerationConfig(max_new_tokens=2000, budget=64, chunk_size=8, gamma1=3, gamma2=5, draft_window=32, sink_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def long_reference(pair):
+    """The autoregressive tokens of the long test, decoded once for its three variants."""
+    return generate_ids(Models(pair[0], None), LONG_PROMPT, "autoregressive", LONG).tokens
+
+
 @ROUNDS
-def test_long_generation_stays_lossless(pair, device_rounds):
+def test_long_generation_stays_lossless(pair, long_reference, device_rounds):
     """2,000 new tokens: the retrieval cache is absorbed into, runs out of room and is rebuilt many
     times, and the StreamingLLM window wraps many times; tokens stay autoregressive-identical."""
     target, drafter = pair
-    ids = prompt(300, 9)
-    cfg = GenerationConfig(max_new_tokens=2000, budget=64, chunk_size=8, gamma1=3, gamma2=5,
-                           draft_window=32, sink_tokens=4)
-    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
-    gen = generator(Models(target, drafter), cfg, "triforce", 2300, device_rounds)
-    gen.prefill(ids)
-    assert gen.generate() == reference.tokens
+    gen = generator(Models(target, drafter), LONG, "triforce", 2300, device_rounds)
+    gen.prefill(LONG_PROMPT)
+    assert gen.generate() == long_reference
     assert gen.stats.rebuilds > 20 and gen.drafter.cache.evictions > 20
     if device_rounds == WHOLE:  # through evictions, rounds kept running as graphs
         assert gen.proposers["triforce"][0].graph.runs > 200
