@@ -55,10 +55,10 @@ from triforce.cli.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args
                             read_text, resolve_rope, run_cli, run_config)
 from bench.bench_report import hardware, hardware_line, plot, print_table, wide
 from bench.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems
-from bench.measure import (ALL_OURS, OURS, TIE_ULPS, build_system, first_mismatch, level_ms_per_pass,
-                           link_floor, logit_gap_ulps, system_settings, seed_config, shared_prefill, ties_only, timed_run)
+from bench.measure import (ALL_OURS, OURS, TIE_ULPS, build_system, counted_run, first_mismatch, level_ms_per_pass,
+                           link_floor, logit_gap_ulps, system_settings, seed_config, shared_prefill, ties_only)
 from triforce.cli.common import open_session
-from triforce.speculative.graphs import HOT_AFTER, made as graphs_made
+from triforce.speculative.graphs import HOT_AFTER
 from bench import timeline
 from bench.traffic import Traffic, bytes_read
 from triforce.speculative import ModelConfig, UserError
@@ -266,9 +266,8 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
                 if mode in HF:
                     tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, base, scores=rep == 0)
                 else:
-                    before = graphs_made["graphs"]
-                    tokens, seconds, stats = timed_run(gens[mode], prefilled, learned=plan.learned)
-                    stats, margins, made = stats.to_dict(), None, graphs_made["graphs"] - before
+                    tokens, seconds, stats, made = counted_run(gens[mode], prefilled, learned=plan.learned)
+                    stats, margins = stats.to_dict(), None
             session.console.print(f"  [dim]{context} {'warm-up' if rep == 0 else f'rep {rep}'} {mode}: "
                                   f"{(len(tokens) - 1) / seconds:.2f} tok/s[/]")
             if rep == 0:

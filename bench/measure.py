@@ -11,6 +11,7 @@ import time
 
 from triforce.runtime.report import level_ms_per_pass, link_floor, pinned_h2d_bandwidth, torch_device_type  # noqa: F401
 from triforce.speculative.engine import synchronize
+from triforce.speculative.graphs import made as graphs_made
 
 OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  # our systems, measured by default
 # ours too, on request (--systems): triforce's two kinds of rounds, and plain decoding and triforce with
@@ -86,12 +87,22 @@ def timed_run(gen, prefilled, learned: bool = False):
     the prefill first, so one generator serves every repetition: what its first run captured (CUDA
     graphs) is replayed, not captured again inside the clock. `learned`: an adaptive generator keeps
     what its chooser learned in the runs before (Generator.resume)."""
+    return counted_run(gen, prefilled, learned)[:3]
+
+
+def counted_run(gen, prefilled, learned: bool = False):
+    """timed_run's (tokens, seconds, stats) and the graphs made inside its clock (CUDA captures,
+    compiled pass widths). Those made while the generator is put back are not: a drafter's restart
+    feeds its window's last piece (sinks + window modulo the feed size) through a graph, once per
+    generator, before the clock starts, and counting it made every drafting row of session 40's H200
+    run say "1 graph inside the clock" that its time did not contain."""
     gen.resume(prefilled.prompt, prefilled.queries, prefilled.first, learned=learned)
     synchronize(gen.device)
+    before = graphs_made["graphs"]
     start = time.perf_counter()
     tokens = gen.generate()
     synchronize(gen.device)
-    return tokens, time.perf_counter() - start, gen.stats
+    return tokens, time.perf_counter() - start, gen.stats, graphs_made["graphs"] - before
 
 
 def run_system(session, mode, cfg, prefilled, max_len, models=None):
