@@ -139,11 +139,22 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
         # torch takes seconds to import, and a KeyboardInterrupt raised inside an import can leave it
         # half loaded (numpy then refuses to load "more than once", with a traceback): nothing has
         # started yet, so a signal meanwhile just ends the process
-        _say_interrupted()
-        _leave(130)
+        _interrupted_now()
+
+    def swallowed(unraisable):
+        # the handler's KeyboardInterrupt raised inside a finalizer (a __del__, a weakref callback),
+        # which Python cannot propagate: it prints "Exception ignored in: ..." with the traceback and
+        # the work goes on (CI saw a tensor-parallel worker do it after rank 0's "interrupted"). The
+        # run was interrupted: end it so, here (what a KeyboardInterrupt would unwind is skipped; a
+        # book's prefill keeps its last checkpoint)
+        if state["signalled"] and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _interrupted_now()
+        previous_hook(unraisable)
 
     handles = threading_main()  # signals can only be handled in the main thread
+    previous_hook = sys.unraisablehook
     if handles:
+        sys.unraisablehook = swallowed
         # set, not inherited: a shell that starts a job in the background makes it ignore SIGINT
         signal.signal(signal.SIGINT, starting)
         signal.signal(signal.SIGTERM, starting)
@@ -160,6 +171,7 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
             return main(argv)
         finally:
             state["working"] = False
+            sys.unraisablehook = previous_hook  # in-process callers (tests) get theirs back
     except KeyboardInterrupt:
         return _interrupted()
     except UserError as e:
@@ -184,6 +196,11 @@ def _interrupted() -> int:
     if _in_process_group():
         _leave(130)
     return 130
+
+
+def _interrupted_now() -> None:
+    _say_interrupted()
+    _leave(130)
 
 
 def _in_process_group() -> bool:
