@@ -23,7 +23,7 @@ from ..conftest import save_tiny
 
 VOCAB = 8
 # At 2,000 seeds the wrong residuals below score 158-517 against the critical 98.9 (1.6x at the
-# least, the lookup drafter's), the correct engines 5-57; 3,000 cost a third more of the suite's
+# least, the lookup drafter's), the correct engines 5-67; 3,000 cost a third more of the suite's
 # slowest module for margins of 2.1x (measured 2026-11-28, every case at 1,000-3,000 seeds)
 SAMPLES = 2000
 
