@@ -6,7 +6,7 @@ setup(
     description="Lossless hierarchical speculative decoding (TriForce) for long-context Llama-family models",
     python_requires=">=3.10",
     packages=find_packages(include=["triforce", "triforce.*"]),
-    package_data={"triforce": ["data/*.txt"]},
+    package_data={"triforce": ["data/*.txt", "model/csrc/*.h", "model/csrc/*.cpp"]},  # the CPU kernels' C++
     install_requires=[
         "torch>=2.4",  # CI pins the CPU build: pip install torch==2.13.0 first
         "transformers>=4.45",

@@ -67,19 +67,26 @@ def old_source(rev: str) -> str:
 
 
 def module_string(rev: str, path: str, name: str) -> str:
-    """The string a module at `rev` assigns to `name`: literals joined by +, and cpu_kernels' strings
-    (AMX_FRAME, since session 32) read from cpu_kernels.py at the same revision."""
-    text = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
+    """The string a module at `rev` assigns to `name`: literals joined by +, cpu_kernels' strings
+    (AMX_FRAME, since session 32) read from cpu_kernels.py at the same revision, and since session 43
+    the files of model/csrc/ that `csrc(...)` joins, read at the same revision."""
+    text = git_show(rev, path)
 
     def value(node):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             return value(node.left) + value(node.right)
         if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "cpu_kernels":
             return module_string(rev, "triforce/model/cpu_kernels.py", node.attr)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "csrc":
+            return "".join(git_show(rev, f"triforce/model/csrc/{ast.literal_eval(arg)}") for arg in node.args)
         return ast.literal_eval(node)
 
     return next(value(node.value) for node in ast.parse(text).body
                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name)
+
+
+def git_show(rev: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
 
 
 def load_old(rev: str) -> bool:

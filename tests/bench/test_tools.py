@@ -112,3 +112,32 @@ def test_pass_cost_times_attention_on_tiles_and_avx512_side_by_side(tmp_path, ca
     assert decode_attention.tiles() == before
     with pytest.raises(SystemExit):
         pass_cost.main([*args, "--attention", "tiles", "--key-layouts", "tiled"])
+
+
+BEFORE_CSRC = "317a4d4"  # the last commit whose kernels' C++ was Python strings (moved to model/csrc/ next)
+
+
+def _has_commit(rev: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=ROOT, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _has_commit(BEFORE_CSRC), reason="not a git checkout with the project's history")
+def test_old_kernel_sources_are_read_from_strings_and_from_csrc_files(monkeypatch):
+    """bench.attention_rows --old builds an earlier revision's kernels: before session 43 from a string
+    in decode_attention.py, since from the files of model/csrc/ that cpu_kernels.csrc joins. The move
+    kept the code: the old string is the files' text without the header comment each file gained (and
+    with the comments' "PRELUDE's" now "prelude.h's")."""
+    from bench.attention_rows import module_string
+    from triforce.model import cpu_kernels, decode_attention
+
+    monkeypatch.chdir(ROOT)
+    old = module_string(BEFORE_CSRC, "triforce/model/decode_attention.py", "SOURCE")
+    unheaded = "".join("\n" + cpu_kernels.csrc(name).split("\n\n", 1)[1] for name in ("amx_frame.h", "decode_attention.cpp"))
+    assert old.replace("PRELUDE's", "prelude.h's") == unheaded
+    assert "TORCH_LIBRARY(triforce_decode," in old
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "triforce/model"], cwd=ROOT).returncode == 0
+    committed = subprocess.run(["git", "cat-file", "-e", "HEAD:triforce/model/csrc/decode_attention.cpp"],
+                               cwd=ROOT, capture_output=True).returncode == 0
+    if unchanged and committed:  # a tree with edits to the kernels compares at its next commit
+        assert module_string(head, "triforce/model/decode_attention.py", "SOURCE") == decode_attention.SOURCE

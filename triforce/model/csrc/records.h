@@ -1,8 +1,7 @@
-"""The C++ that stored_bf16's avx512 kernels and stored_amx's AMX kernels share over the same block
-records (stored_bf16's docstring has the layout): the decode of codes into bfloat16 pairs by table
-lookups, the scales, x's block sums and the store of a group's 16 outputs."""
+// What stored_bf16.cpp's avx512 kernels and stored_amx.cpp's AMX kernels share over the same block
+// records (stored_bf16.py's docstring has the layout): the decode of codes into bfloat16 pairs by
+// table lookups, the scales, x's block sums and the store of a group's 16 outputs.
 
-RECORDS_CPP = r"""
 // every function here avx512 code, the lambda torch's threads run included: one without the target
 // passes its __m512 accumulators to store_group by another convention (garbage in 12 of 16 lanes)
 #pragma GCC push_options
@@ -104,4 +103,3 @@ struct Product {
 }  // namespace
 
 #pragma GCC pop_options
-"""

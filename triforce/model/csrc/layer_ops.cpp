@@ -1,0 +1,130 @@
+// A layer's small steps as single calls (layer_ops.py), after prelude.h; built with
+// -ffp-contract=off, so each step rounds as torch's ops do.
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t ROWS_PER_TASK = 64;  // rows (tokens) a task of the pool takes at least
+
+template <typename T> inline float wide(T x) { return float(x); }
+template <typename T> inline T narrow(float x) { return T(x); }  // c10's Half/BFloat16: to nearest even
+
+// out (T, H, D) = the first H heads of rows (T, >= H * D) rotated: x cos + swap(x) sin, swap(x) the
+// halves exchanged (the minus rides in sin), each product and the sum rounded to T
+template <typename S>
+void rotate(const S* x, int64_t stride, const S* cos, const S* sin, int64_t tokens, int64_t H, int64_t D,
+            int64_t first, S* out) {
+  int64_t half = D / 2;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const S* in = x + t * stride + (first + h) * D;
+      const S *c = cos + t * D, *s = sin + t * D;
+      S* o = out + (t * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        S straight = narrow<S>(wide(in[d]) * wide(c[d]));
+        S swapped = narrow<S>(wide(in[d < half ? d + half : d - half]) * wide(s[d]));
+        o[d] = narrow<S>(wide(straight) + wide(swapped));
+      }
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Tensor& cos_in,
+                                             const at::Tensor& sin_in, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be (tokens, features), features contiguous");
+  auto cos = cos_in.expand({qkv.size(0), cos_in.size(-1)}).contiguous();
+  auto sin = sin_in.expand({qkv.size(0), sin_in.size(-1)}).contiguous();
+  int64_t T = qkv.size(0), D = cos.size(1);
+  TORCH_CHECK(D % 2 == 0 && (heads + kv_heads) * D <= qkv.size(1), "qkv is narrower than its heads");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be in qkv's dtype");
+  auto q = at::empty({T, heads, D}, qkv.options()), k = at::empty({T, kv_heads, D}, qkv.options());
+  auto run = [&](auto zero) {
+    using S = decltype(zero);
+    const S *x = qkv.const_data_ptr<S>(), *c = cos.const_data_ptr<S>(), *s = sin.const_data_ptr<S>();
+    S *qo = q.data_ptr<S>(), *ko = k.data_ptr<S>();
+    int64_t stride = qkv.stride(0);
+    over_ranges(T, ROWS_PER_TASK, [&](int64_t t0, int64_t t1) {  // a prefill's tokens over the pool
+      rotate(x + t0 * stride, stride, c + t0 * D, s + t0 * D, t1 - t0, heads, D, 0, qo + t0 * heads * D);
+      rotate(x + t0 * stride, stride, c + t0 * D, s + t0 * D, t1 - t0, kv_heads, D, heads, ko + t0 * kv_heads * D);
+    });
+  };
+  switch (qkv.scalar_type()) {
+    case at::kFloat: run(float(0)); break;
+    case at::kBFloat16: run(c10::BFloat16(0)); break;
+    case at::kHalf: run(c10::Half(0)); break;
+    default: TORCH_CHECK(false, "rotary_qk takes float32, bfloat16 or float16");
+  }
+  return {q, k};
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * weight by rows of D, the mean summed in float64 (one order per
+// row, whatever the rows: LANES partial sums, lane j taking dims j, j + LANES, ..., then added
+// pairwise, which the compiler turns into vector code). A 16-bit S rounds the normalized value to S
+// before the weight's product, as transformers' Llama does (float32 statistics, then back to the
+// model's dtype, then times the weight). Rows split over the pool's threads in ranges of at least
+// ROWS_PER_TASK: a prefill's thousands (a decode or verification pass runs on the caller alone).
+constexpr int LANES = 8;
+
+template <typename S>
+inline float inverse_rms(const S* row, int64_t D, float eps) {
+  double part[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES)
+    for (int j = 0; j < LANES; ++j) {
+      double x = wide(row[d + j]);
+      part[j] += x * x;
+    }
+  for (int j = 0; d < D; ++d, ++j) {
+    double x = wide(row[d]);
+    part[j] += x * x;
+  }
+  double squares = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  return 1.0f / std::sqrt(float(squares / double(D)) + eps);
+}
+
+template <typename S>
+void normalize(const S* in, const S* w, int64_t rows, int64_t D, float eps, S* o) {
+  over_ranges(rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const S* row = in + r * D;
+      S* out = o + r * D;
+      float inverse = inverse_rms(row, D, eps);
+      for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(wide(narrow<S>(wide(row[d]) * inverse)) * wide(w[d]));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  auto x = x_in.contiguous();
+  auto weight = weight_in.contiguous();
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "the weight must be in x's dtype");
+  int64_t D = weight.numel();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == D, "x's last dimension must be the weight's");
+  auto out = at::empty_like(x);
+  int64_t rows = x.numel() / std::max<int64_t>(D, 1);
+  auto run = [&](auto zero) {
+    using S = decltype(zero);
+    normalize(x.const_data_ptr<S>(), weight.const_data_ptr<S>(), rows, D, float(eps), out.data_ptr<S>());
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(float(0)); break;
+    case at::kBFloat16: run(c10::BFloat16(0)); break;
+    case at::kHalf: run(c10::Half(0)); break;
+    default: TORCH_CHECK(false, "rms_norm takes float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(triforce_layer, m) {
+  m.def("use_pool(int address) -> ()", &use_pool);
+  m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triforce_layer, CPU, m) {
+  m.impl("rotary_qk", &rotary_qk);
+  m.impl("rms_norm", &rms_norm);
+}
