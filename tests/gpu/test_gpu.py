@@ -155,6 +155,32 @@ def test_cuda_graphs_give_the_same_tokens(models):
 
 
 @cuda
+def test_prompts_turns_and_refills_capture_nothing_on_cuda(models):
+    """The prompt's pieces (101 ids: 24 x 4 + 5), the drafter's window refill (4 + 16) and a chat turn
+    of 5 tokens run eagerly: no graph is captured for them (graphs.GraphedModel.once); decoding
+    captures its passes and rounds, and the tokens are the eager generator's."""
+    from triforce.speculative.graphs import made
+
+    pair = Models(*models)
+    ids = torch.randint(0, 48, (101,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = []
+    for graphs in (False, True):
+        gen = Generator(pair, CFG, "triforce", len(ids) + 2 * CFG.max_new_tokens + 5)
+        if graphs:
+            enable_cuda_graphs(gen)
+        before = made["graphs"]
+        tokens = [gen.prefill(ids)]
+        assert made["graphs"] == before
+        tokens += gen.generate()
+        decoding = made["graphs"]
+        tokens.append(gen.extend([5, 9, 11, 2, 7]))
+        assert made["graphs"] == decoding
+        tokens += gen.generate()
+        runs.append(tokens)
+    assert runs[0] == runs[1] and decoding > before
+
+
+@cuda
 def test_a_captured_round_samples_what_the_eager_round_samples(models):
     """Sampled, device rounds: the captured whole-round graph takes the round's uniforms from the same
     draws as the same round run eagerly, so the tokens match."""

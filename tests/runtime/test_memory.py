@@ -15,12 +15,14 @@ from triforce.runtime.memory import reuse_freed_memory
 torch.set_num_threads(1)  # one arena: worker threads' scratch would move the heap's settling
 
 print(reuse_freed_memory())
-# float32 over 1,024 tokens: the bytes of SmolLM2's bfloat16 MLP over 2,048, the same requests to malloc,
-# without bfloat16 products, which CPUs without bf16 dot products emulate (72 s against 12 s, avx512 alone)
-x, up, down = torch.randn(1024, 576), torch.randn(576, 6144), torch.randn(3072, 576)
+# float32 over 1,024 tokens (bfloat16's products are emulated on CPUs without bf16 dot products: 72 s
+# against 12 s, avx512 alone), an MLP twice SmolLM2's width: its 50 MB product is past the 32 MB up to
+# which glibc's malloc may move its mmap threshold and settle without the setting (a 25 MB one did so
+# in about one run in six here, and the control below failed), as a 7B model's products at 2,048 tokens are
+x, up, down = torch.randn(1024, 576), torch.randn(576, 12288), torch.randn(6144, 576)
 
 
-def faults(layers):  # a prefill piece's MLPs: a 25 MB product and its halves' intermediates, each layer
+def faults(layers):  # a prefill piece's MLPs: a 50 MB product and its halves' intermediates, each layer
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     h = x
     for _ in range(layers):
@@ -46,9 +48,9 @@ def run(reuse: str) -> tuple[bool, list[int]]:
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_a_freed_tensor_is_reused_without_faulting_its_pages_again():
-    """Twelve layers' MLPs, SmolLM2's bytes at 2,048 tokens: 28-150K page faults with malloc as it is (each large
-    product comes from a fresh mapping), none once freed blocks are kept and the heap has settled
-    (the fewest of three windows, so one late block on a loaded machine does not decide it)."""
+    """Twelve layers' MLPs with a 50 MB product: 184-295K page faults a window with malloc as it is
+    (each such product comes from a fresh mapping), none once freed blocks are kept and the heap has
+    settled (the fewest of three windows, so one late block on a loaded machine does not decide it)."""
     on, faults = run("1")
     assert on and min(faults) < 2000, faults
     off, faults = run("0")

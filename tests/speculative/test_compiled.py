@@ -307,3 +307,33 @@ def test_a_rope_table_the_first_pass_grows_is_compiled_over_once(tmp_path):
         tokens = (torch.arange(5) * 3 + i) % 60 + 3
         torch.testing.assert_close(compiled(tokens, cache), model(tokens, reference), rtol=1e-5, atol=1e-6)
     assert model.rotary.length > cache.length - 10 and compiled.captures == 1
+
+
+def test_prompts_turns_and_drafter_refills_make_no_graphs(tiny):
+    """A prompt's last piece, a chat turn and the drafter's window refill feed widths that seldom
+    recur: they run eagerly, never captured. On a GPU each capture costs a warm-up pass, the capture
+    and a memory pool of its own, kept for good (a chat of short turns made one per new turn length;
+    every generator one for its drafter's refill). Decode passes still run their graphs, and the
+    tokens are those of the same calls without graphs."""
+    from triforce.speculative import Models
+    from triforce.speculative.graphs import enable_cuda_graphs
+
+    ids = [3 + (i * 7) % 60 for i in range(101)]
+    cfg = GenerationConfig(max_new_tokens=16, budget=32, chunk_size=8, gamma1=2, gamma2=3, draft_window=16,
+                           prefill_chunk=48, adaptive=False)  # pieces 48, 48, 5; a refill of 4 + 16 tokens
+    models = Models(tiny.target, tiny.target)  # a separate drafter: the refill is a feed of its own
+    runs = []
+    for graphs in (False, True):
+        gen = Generator(models, cfg, "triforce", max_len=400)
+        wrappers = enable_cuda_graphs(gen, eager_static=True) if graphs else []
+        views = lambda: [sorted(w.views) for w in wrappers]  # noqa: E731
+        tokens = [gen.prefill(ids)]
+        assert views() == [[] for _ in wrappers]  # the prompt's pieces and the drafter's refill: none
+        tokens += gen.generate()
+        decoding = views()
+        tokens.append(gen.extend([5, 9, 11, 2, 7]))  # a chat turn of 5 tokens
+        assert views() == decoding
+        tokens += gen.generate()
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+    assert sum(w.replays for w in wrappers) > 0 and all(decoding)

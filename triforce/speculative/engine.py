@@ -253,7 +253,7 @@ class Generator:
         self.seq.put(len(self.context), list(tokens))
         self.context.extend(tokens)
         try:
-            logits = self.full.run(self.seq, len(self.context), 1, progress)
+            logits = self.full.run(self.seq, len(self.context), 1, progress, one_off=True)
             token, _ = self.sampling.pick(logits)
             self.seq.write(len(self.context), token)
             first = int(token[0])
@@ -288,10 +288,10 @@ class Generator:
         level, cache = self.drafter, self.drafter.cache
         sinks, window = cache.sinks, cache.window
         if n <= sinks + window:
-            level.run(self.seq, n, 1)
+            level.run(self.seq, n, 1, one_off=True)
             return
         ids = self.seq.ids
-        level.feed(torch.cat((ids[:sinks], ids[n - window:n])), 1)
+        level.feed(torch.cat((ids[:sinks], ids[n - window:n])), 1, one_off=True)
         cache.skipped_to(n)
         level.adopt(n)
 

@@ -180,6 +180,12 @@ class GraphedModel:
         cache.end(T)
         return logits[:T]
 
+    def once(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """A pass whose width seldom recurs (a prompt's last piece, a chat turn, a drafter's window
+        refill), run by the model itself: a capture costs a warm-up pass, the capture and a memory pool
+        of the graph's own, kept for good, and a chat of short turns made one per new turn length."""
+        return self.model(tokens, cache, last_only)
+
     def width(self, T: int, cache, room: int, last_only: bool) -> int:
         """The width a pass of T tokens runs at: T, or with pad_widths a full cache's verification
         rounded up to WIDTHS (room: the free slots after the pass's first)."""
@@ -317,8 +323,8 @@ def enable_cuda_graphs(generator, eager_static: bool = False, compiled: bool = F
     full = generator.full if isinstance(generator.full.cache, (FullCache, OffloadedCache)) else None
     for level in (generator.drafter, generator.middle, full):
         if level is not None:
-            # the full level graphs its verification passes only: a chat turn of a few tokens is
-            # prefill, and one capture per turn length would hold as many copies of the graph
+            # the full level graphs its verification passes only (a prompt's pieces and a chat turn
+            # run eagerly whatever their width: Level.feed's one_off)
             limit = generator.max_width + 1 if level is full else MAX_GRAPH_TOKENS
             model = level.model.model if isinstance(level.model, GraphedModel) else level.model
             # captured, a full pass's widths in buckets: a graph per bucket, not per width

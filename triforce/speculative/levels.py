@@ -133,21 +133,26 @@ class Level:
         now stands for the sequence's first `length` positions."""
         self.held = self.agreed = length
 
-    def run(self, seq: Sequence, end: int, n_out: int, progress: Callable | None = None) -> torch.Tensor:
-        """Logits (n_out, V) predicting the tokens after each of positions [end - n_out, end)."""
+    def run(self, seq: Sequence, end: int, n_out: int, progress: Callable | None = None,
+            one_off: bool = False) -> torch.Tensor:
+        """Logits (n_out, V) predicting the tokens after each of positions [end - n_out, end).
+        `one_off`: a feed whose width seldom recurs (a prompt, a chat turn, a window's refill)."""
         keep = min(self.agreed, end - n_out)
         self.rollback(keep)
         if self.catch_up is not None and keep >= self.skip_from and end - keep > max(self.catch_up, n_out):
             keep = end - max(self.catch_up, n_out)
             self.cache.skipped_to(keep)  # the cache now stands for the tokens before these, not 1:1
             self.held = self.agreed = keep
-        logits = self.feed(seq.ids[keep:end], n_out, progress)
+        logits = self.feed(seq.ids[keep:end], n_out, progress, one_off)
         self.held = self.agreed = end
         return logits
 
-    def feed(self, ids: torch.Tensor, n_out: int, progress: Callable | None = None) -> torch.Tensor:
-        """Run the model over device tokens appended to the cache, piece by piece."""
+    def feed(self, ids: torch.Tensor, n_out: int, progress: Callable | None = None,
+             one_off: bool = False) -> torch.Tensor:
+        """Run the model over device tokens appended to the cache, piece by piece; `one_off` pieces
+        never become graphs (graphs.GraphedModel.once)."""
         captures = getattr(self.model, "captures", 0)
+        model = getattr(self.model, "once", self.model) if one_off else self.model
         start = self.clock.now()
         logits, fed = [], 0
         try:
@@ -156,7 +161,7 @@ class Level:
                 out_needed = n_out - (ids.shape[0] - i - piece.shape[0])  # outputs this piece must return
                 # a piece whose logits nobody reads computes only its last row: the output head over
                 # every position of a 4,096-token piece is 0.2 TFLOP for SmolLM2, 1.1 for Qwen2.5
-                out = self.model(piece, self.cache, last_only=out_needed <= 1)
+                out = model(piece, self.cache, last_only=out_needed <= 1)
                 if out_needed > 0:
                     logits.append(out[-out_needed:])
                 fed += piece.shape[0]
