@@ -47,7 +47,8 @@ def parse_args(argv):
     p.add_argument("--against", default="", help="a git revision whose bf16 attention kernels to time "
                    "beside this tree's (decode_attention.cache_attend), pass by pass")
     p.add_argument("--products", default="", help="'amx,avx512': the weight products over stored blocks "
-                   "through AMX tiles and through the avx512 kernels, pass by pass (an AMX CPU)")
+                   "through AMX tiles and through the avx512 kernels, pass by pass (an AMX CPU); "
+                   "'avx512,avx2' with --dtype float32: the float32 kernels' avx512f code and avx2 code")
     p.add_argument("--attention", default="", help="'tiles,avx512': attention's products through AMX "
                    "tiles against the avx512 kernels, pass by pass over one cache (a CPU with AMX)")
     p.add_argument("--debug", action="store_true")
@@ -56,8 +57,8 @@ def parse_args(argv):
     if not set(args.key_layouts) <= {"tiled", "plain"}:
         p.error("--key-layouts takes tiled and/or plain")
     args.products = [name for name in args.products.split(",") if name]
-    if not set(args.products) <= {"amx", "avx512"}:
-        p.error("--products takes amx and/or avx512")
+    if not set(args.products) <= ({"avx512", "avx2"} if args.dtype == "float32" else {"amx", "avx512"}):
+        p.error("--products takes amx and/or avx512 (bfloat16), avx512 and/or avx2 (--dtype float32)")
     if args.products and (args.key_layouts or args.against):
         p.error("--products times one cache and this tree's attention: drop --key-layouts/--against")
     args.attention = [name for name in args.attention.split(",") if name]
@@ -73,14 +74,15 @@ def parse_args(argv):
 def pass_ms(model, setups: dict, length: int, T: int, repeats: int) -> dict[str, float]:
     """Median ms of a pass of T tokens for each setup (name -> (cache filled to `length`, the
     cache_attend its layers call[, whether the stored products take AMX tiles[, whether attention's
-    products do]])), the setups in turn."""
+    products do[, whether float32 products take the avx512f code]]])), the setups in turn."""
     import torch
 
-    from triforce.model import decode_attention, stored_amx
+    from triforce.model import decode_attention, stored_amx, stored_avx2
 
     tokens = torch.randint(0, model.cfg.vocab_size, (T,))
     times = {name: [] for name in setups}
     ours, amx, tiles = decode_attention.cache_attend, stored_amx.available, decode_attention.tiles()
+    wide = stored_avx2.code() == "avx512"
     try:
         with torch.no_grad():
             for i in range(repeats + 1):  # the first is a warm-up
@@ -88,6 +90,8 @@ def pass_ms(model, setups: dict, length: int, T: int, repeats: int) -> dict[str,
                     decode_attention.cache_attend = kernel
                     stored_amx.available = amx if not paths or paths[0] else (lambda: False)
                     decode_attention.switch_tiles(paths[1] if len(paths) > 1 else tiles)
+                    if len(paths) > 2:
+                        stored_avx2.use_avx512(paths[2])
                     start = time.perf_counter()
                     model(tokens, cache)
                     times[name].append(time.perf_counter() - start)
@@ -95,6 +99,8 @@ def pass_ms(model, setups: dict, length: int, T: int, repeats: int) -> dict[str,
     finally:
         decode_attention.cache_attend, stored_amx.available = ours, amx
         decode_attention.switch_tiles(tiles)
+        if stored_avx2.code():
+            stored_avx2.use_avx512(wide)
     return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
 
 
@@ -126,11 +132,17 @@ def setups_for(model, args, slots: int) -> dict:
     from triforce.model.errors import UserError
     from triforce.speculative.caches import FullCache
 
-    from triforce.model import stored_amx
+    from triforce.model import stored_amx, stored_avx2
 
     caches = build_caches(model, args.key_layouts, slots)
+    if args.products and args.dtype == "float32":
+        if stored_avx2.code() == "" or ("avx512" in args.products and not stored_avx2.wide_default()):
+            raise UserError("no avx512f float32 products here (no avx2/avx512f, no C++ compiler, or "
+                            "TRIFORCE_AVX512=0); drop --products")
+        (cache,) = caches.values()
+        return {name: (cache, decode_attention.cache_attend, True, decode_attention.tiles(), name == "avx512")
+                for name in args.products}
     if args.products:
-
         if "amx" in args.products and not stored_amx.available():
             raise UserError("no AMX products here (the CPU lacks AMX, no C++ compiler, or TRIFORCE_AMX=0); "
                             "drop --products")

@@ -18,6 +18,8 @@ from .test_stored import random_q4_k
 from .test_stored_bf16 import blocks_of
 
 needs_kernels = pytest.mark.skipif(not stored_avx2.available(), reason="no avx2/FMA/F16C or no C++ compiler")
+needs_avx512 = pytest.mark.skipif(not (stored_avx2.available() and cpu_kernels.cpu_has(stored_avx2.AVX512F)),
+                                  reason="no avx512f, or the kernels do not build")
 F32_EPS = 2 ** -24
 
 
@@ -47,9 +49,22 @@ def test_kernel_is_the_float64_dequantized_product(kind, rows, shape):
     assert float32_sum_ok(got, x, blocks.dequantize(), bias).all()
 
 
+@pytest.fixture
+def kernel_code(request):
+    """Run a test through the avx2 code or the avx512f one (where the CPU has it), then put back what
+    the process runs."""
+    wide = request.param == "avx512"
+    if wide and not (stored_avx2.available() and cpu_kernels.cpu_has(stored_avx2.AVX512F)):
+        pytest.skip("no avx512f, or the kernels do not build")
+    stored_avx2.use_avx512(wide)
+    yield request.param
+    stored_avx2.use_avx512(stored_avx2.WIDE)
+
+
 @needs_kernels
+@pytest.mark.parametrize("kernel_code", ["avx2", "avx512"], indirect=True)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
-def test_a_row_of_a_batch_is_that_row_alone(kind):
+def test_a_row_of_a_batch_is_that_row_alone(kind, kernel_code):
     """A verification pass of R tokens computes each row as a one-token pass does, bit for bit (the
     sums run in one order whatever the number of rows): greedy verification cannot flip a near-tie
     that plain decoding resolves the other way."""
@@ -60,6 +75,41 @@ def test_a_row_of_a_batch_is_that_row_alone(kind):
         batch = layer(x[:rows])
         for r in range(rows):
             assert torch.equal(batch[r], layer(x[r:r + 1])[0]), (rows, r)
+
+
+@needs_avx512
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_0+Q8_0"])
+@pytest.mark.parametrize("shape", [(16, 96), (40, 96), (80, 512), (72, 1536)])  # 1, 3 (partial), 5 and 5 groups
+def test_avx512_kernels_give_the_avx2_bits(kind, shape):
+    """On a CPU with avx512f the products run 16 outputs a register, two groups at a time; each
+    output's sum must still be the avx2 code's, bit for bit, at every row count and group count
+    (a machine's tokens do not depend on which of the two ran, nor on TRIFORCE_AVX512)."""
+    n, k = shape
+    if kind == "Q4_K" and k % 256:
+        k = 512
+    layer = packed_from_blocks(blocks_of(kind, n, k, seed=n + k), torch.float32)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(k))
+    try:
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 37):
+            stored_avx2.use_avx512(False)
+            narrow = layer(x[:rows])
+            stored_avx2.use_avx512(True)
+            assert torch.equal(layer(x[:rows]), narrow), rows
+    finally:
+        stored_avx2.use_avx512(stored_avx2.WIDE)
+
+
+def test_avx512_is_taken_where_the_cpu_has_it(monkeypatch):
+    """WIDE follows the CPU's flags and TRIFORCE_AVX512."""
+    for flags, env, want in ((frozenset({"avx2", "avx512f"}), None, True),
+                             (frozenset({"avx2", "avx512f"}), "0", False),
+                             (frozenset({"avx2"}), None, False)):
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+        if env is None:
+            monkeypatch.delenv("TRIFORCE_AVX512", raising=False)
+        else:
+            monkeypatch.setenv("TRIFORCE_AVX512", env)
+        assert stored_avx2.wide_default() is want, (flags, env)
 
 
 @needs_kernels

@@ -1,5 +1,6 @@
 """float32 products of a few rows with weights as stored (GGUF blocks), as avx2 kernels: the float32
-path that avx2-only CPUs take (no native bfloat16 there, so the model computes in float32).
+path that CPUs without native bfloat16 take (avx2-only ones, and avx512 Xeons from Skylake-SP to
+Ice Lake, where the same kernels run as avx512f code, the same bits).
 
 The same records as stored_bf16 (its module docstring has the layout: 16 output rows a group, one per
 lane; per block of 32 columns the codes, then the rows' d, then m), read here as two halves of 8
@@ -31,8 +32,16 @@ One row, one thread, avx2 code (`ATEN_CPU_CAPABILITY=avx2 python -m bench.f32_ro
 SmolLM2's 49152x576 head (Q8 records) 1.05 against 6.34 and 1.99. Past one row the decode of each
 code is shared by 4 rows and the kernels run at the float32 multiply-add peak, as a GEMM over dense
 weights does.
+
+On a CPU with avx512f a group's 16 outputs are one register and two groups run side by side, each
+lane making the avx2 code's operations in its order: the same bits, and on the 2-core avx512 Xeon
+(SmolLM2's 121 products in turn, 2 threads) one row 8.4 -> 7.8 ms (the records' read bounds it), 4
+rows 14.8 -> 12.2, 7 rows 24.6 -> 19.1 (`python -m bench.pass_cost --dtype float32 --products
+avx512,avx2`: whole passes, side by side).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -50,6 +59,20 @@ SOURCE = cpu_kernels.csrc("stored_avx2.cpp")
 
 KERNEL = cpu_kernels.Kernel("triforce_stored_f32", SOURCE, isa=cpu_kernels.AVX2, pool_ops="triforce_stored_f32")
 
+# On a CPU with avx512f (and no native bfloat16, so the model computes in float32: Xeons from
+# Skylake-SP to Ice Lake) the kernels take 16 outputs a register, two groups side by side, the same
+# bits as the avx2 code (csrc/stored_avx2.cpp). TRIFORCE_AVX512=0 keeps the avx2 code there too.
+AVX512F = frozenset({"avx512f"})
+
+
+def wide_default() -> bool:
+    return cpu_kernels.cpu_has(AVX512F) and os.environ.get("TRIFORCE_AVX512", "1") != "0"
+
+
+WIDE = wide_default()
+_wide = [False]  # what the built module runs now (use_avx512)
+
+
 @cpu_kernels.constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
 def available() -> bool:
     """Whether the kernels build here (avx2, FMA, F16C and a C++ compiler) and compute the dequantized
@@ -58,23 +81,44 @@ def available() -> bool:
 
 
 def _self_check() -> bool:
-    """Both kernels and both dequantizations against float64 on 5 rows of a 24 x 64 matrix (a partial
-    group, a 4-row and a 1-row pass)."""
+    """Both kernels and both dequantizations against float64 on 5 rows of a 40 x 64 matrix (two
+    groups and a partial one, a 4-row and a 1-row pass); where the CPU has avx512f, its kernels the
+    avx2 ones' bits. Leaves the module on WIDE."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g)
-    d = (torch.rand(24, 2, generator=g) * 0.01).half().float()
-    m = -(torch.rand(24, 2, generator=g) * 0.08).half().float()
-    q4 = torch.randint(0, 16, (24, 64), generator=g)
-    q8 = torch.randint(-128, 128, (24, 64), generator=g)
+    d = (torch.rand(40, 2, generator=g) * 0.01).half().float()
+    m = -(torch.rand(40, 2, generator=g) * 0.08).half().float()
+    q4 = torch.randint(0, 16, (40, 64), generator=g)
+    q8 = torch.randint(-128, 128, (40, 64), generator=g)
     ok = True
     for records, codes, mins, product, dense in (
             (q4_records(q4, d, m), q4, m, q4_product, q4_dense),
             (q8_records(q8, d), q8, torch.zeros_like(m), q8_product, q8_dense)):
-        w = (codes.view(24, 2, BLOCK).double() * d.double()[..., None] + mins.double()[..., None]).view(24, 64)
+        w = (codes.view(40, 2, BLOCK).double() * d.double()[..., None] + mins.double()[..., None]).view(40, 64)
         want = x.double() @ w.t()
-        ok = ok and bool(((product(x, records, 24).double() - want).abs() <= 1e-5 * (1 + want.abs())).all())
-        ok = ok and bool(((dense(records, 24).double() - w).abs() <= 1e-6 * w.abs()).all())
+        use_avx512(False)
+        narrow = product(x, records, 40)
+        ok = ok and bool(((narrow.double() - want).abs() <= 1e-5 * (1 + want.abs())).all())
+        ok = ok and bool(((dense(records, 40).double() - w).abs() <= 1e-6 * w.abs()).all())
+        if cpu_kernels.cpu_has(AVX512F):
+            use_avx512(True)
+            ok = ok and torch.equal(product(x, records, 40), narrow)
+    use_avx512(WIDE)
     return ok
+
+
+def use_avx512(on: bool) -> None:
+    """Run the products through the avx512f kernels (on: the CPU must have avx512f) or the avx2 ones;
+    the same bits either way (to time one against the other)."""
+    if on and not cpu_kernels.cpu_has(AVX512F):
+        raise ValueError("this CPU has no avx512f")
+    torch.ops.triforce_stored_f32.use_avx512(on)
+    _wide[0] = on
+
+
+def code() -> str:
+    """Which kernels the products run: 'avx512' or 'avx2' (the kernels built, else '')."""
+    return ("avx512" if _wide[0] else "avx2") if available() else ""
 
 
 def _register_shapes() -> None:
