@@ -19,7 +19,10 @@ without another process's noise. (A revision before session 33 reads a tiled cac
 ones: its passes move the same bytes, but their logits are not the model's.) `--products amx,avx512` (a CPU with AMX) times the weight products
 over stored blocks through AMX tiles (model/stored_amx.py, the default there) against the avx512
 kernels, pass by pass over one cache; `--attention tiles,avx512` the same for attention's two products
-(model/decode_attention.py: AMX tiles, the default there, against the avx512 kernels).
+(model/decode_attention.py: AMX tiles, the default there, against the avx512 kernels). With `--dtype
+float32` on a CPU with avx512f, `--products avx512,avx2` times the float32 products over stored blocks
+in their avx512f code against their avx2 code, and `--attention avx512,avx2` attention's
+(model/decode_attention_f32.py), the same bits either way.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from triforce.cli.common import run_cli
 
@@ -50,7 +55,8 @@ def parse_args(argv):
                    "through AMX tiles and through the avx512 kernels, pass by pass (an AMX CPU); "
                    "'avx512,avx2' with --dtype float32: the float32 kernels' avx512f code and avx2 code")
     p.add_argument("--attention", default="", help="'tiles,avx512': attention's products through AMX "
-                   "tiles against the avx512 kernels, pass by pass over one cache (a CPU with AMX)")
+                   "tiles against the avx512 kernels, pass by pass over one cache (a CPU with AMX); "
+                   "'avx512,avx2' with --dtype float32: the float32 attention's avx512f code and avx2 code")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     args.key_layouts = [name for name in args.key_layouts.split(",") if name]
@@ -62,8 +68,8 @@ def parse_args(argv):
     if args.products and (args.key_layouts or args.against):
         p.error("--products times one cache and this tree's attention: drop --key-layouts/--against")
     args.attention = [name for name in args.attention.split(",") if name]
-    if not set(args.attention) <= {"tiles", "avx512"}:
-        p.error("--attention takes tiles and/or avx512")
+    if not set(args.attention) <= ({"avx512", "avx2"} if args.dtype == "float32" else {"tiles", "avx512"}):
+        p.error("--attention takes tiles and/or avx512 (bfloat16), avx512 and/or avx2 (--dtype float32)")
     if args.attention and (args.key_layouts or args.against or args.products):
         p.error("--attention times one cache and one set of products: drop --key-layouts/--against/--products")
     args.contexts = [int(c) for c in args.contexts.split(",")]
@@ -71,36 +77,50 @@ def parse_args(argv):
     return args
 
 
-def pass_ms(model, setups: dict, length: int, T: int, repeats: int) -> dict[str, float]:
-    """Median ms of a pass of T tokens for each setup (name -> (cache filled to `length`, the
-    cache_attend its layers call[, whether the stored products take AMX tiles[, whether attention's
-    products do[, whether float32 products take the avx512f code]]])), the setups in turn."""
+@dataclass
+class Setup:
+    """What one timed pass runs: its full cache, the bf16 cache_attend its layers call, and which
+    kernels' code (None: the process's own choice): AMX products, AMX attention tiles, and the float32
+    products' and attention's avx512f code."""
+
+    cache: Any
+    cache_attend: Callable
+    amx_products: bool | None = None
+    attention_tiles: bool | None = None
+    wide_products: bool | None = None
+    wide_attention: bool | None = None
+
+
+def pass_ms(model, setups: dict[str, Setup], length: int, T: int, repeats: int) -> dict[str, float]:
+    """Median ms of a pass of T tokens for each setup (its cache filled to `length`), the setups in turn."""
     import torch
 
-    from triforce.model import decode_attention, stored_amx, stored_avx2
+    from triforce.model import decode_attention, decode_attention_f32, stored_amx, stored_avx2
 
     tokens = torch.randint(0, model.cfg.vocab_size, (T,))
     times = {name: [] for name in setups}
     ours, amx, tiles = decode_attention.cache_attend, stored_amx.available, decode_attention.tiles()
-    wide = stored_avx2.code() == "avx512"
+    codes = [(module, module.code()) for module in (stored_avx2, decode_attention_f32)]
     try:
         with torch.no_grad():
             for i in range(repeats + 1):  # the first is a warm-up
-                for name, (cache, kernel, *paths) in setups.items():
-                    decode_attention.cache_attend = kernel
-                    stored_amx.available = amx if not paths or paths[0] else (lambda: False)
-                    decode_attention.switch_tiles(paths[1] if len(paths) > 1 else tiles)
-                    if len(paths) > 2:
-                        stored_avx2.use_avx512(paths[2])
+                for name, setup in setups.items():
+                    decode_attention.cache_attend = setup.cache_attend
+                    stored_amx.available = amx if setup.amx_products in (None, True) else (lambda: False)
+                    decode_attention.switch_tiles(tiles if setup.attention_tiles is None else setup.attention_tiles)
+                    for module, wide in ((stored_avx2, setup.wide_products), (decode_attention_f32, setup.wide_attention)):
+                        if wide is not None:
+                            module.use_avx512(wide)
                     start = time.perf_counter()
-                    model(tokens, cache)
+                    model(tokens, setup.cache)
                     times[name].append(time.perf_counter() - start)
-                    cache.rollback(length)
+                    setup.cache.rollback(length)
     finally:
         decode_attention.cache_attend, stored_amx.available = ours, amx
         decode_attention.switch_tiles(tiles)
-        if stored_avx2.code():
-            stored_avx2.use_avx512(wide)
+        for module, code in codes:
+            if code:
+                module.use_avx512(code == "avx512")
     return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
 
 
@@ -125,43 +145,42 @@ def kernels_against(rev: str):
     return theirs
 
 
-def setups_for(model, args, slots: int) -> dict:
-    """name -> (full cache, cache_attend): one per key layout; with --against, REV's kernels over the
-    layout asked for (the model's own by default) and this tree's over the model's own."""
-    from triforce.model import decode_attention
+def setups_for(model, args, slots: int) -> dict[str, Setup]:
+    """name -> Setup: one per key layout; with --against, REV's kernels over the layout asked for (the
+    model's own by default) and this tree's over the model's own; with --products or --attention, one
+    per code over one cache."""
+    from triforce.model import cpu_kernels, decode_attention, decode_attention_f32, stored_amx, stored_avx2
     from triforce.model.errors import UserError
     from triforce.speculative.caches import FullCache
 
-    from triforce.model import stored_amx, stored_avx2
-
     caches = build_caches(model, args.key_layouts, slots)
-    if args.products and args.dtype == "float32":
-        if stored_avx2.code() == "" or ("avx512" in args.products and not stored_avx2.wide_default()):
-            raise UserError("no avx512f float32 products here (no avx2/avx512f, no C++ compiler, or "
-                            "TRIFORCE_AVX512=0); drop --products")
-        (cache,) = caches.values()
-        return {name: (cache, decode_attention.cache_attend, True, decode_attention.tiles(), name == "avx512")
-                for name in args.products}
+    (cache, *_) = caches.values()
+    ours = decode_attention.cache_attend
+    for flag, names, module, what in (("--products", args.products, stored_avx2, "products"),
+                                      ("--attention", args.attention, decode_attention_f32, "attention")):
+        if names and args.dtype == "float32":
+            if module.code() == "" or ("avx512" in names and not cpu_kernels.wide_default()):
+                raise UserError(f"no avx512f float32 {what} here (no avx2/avx512f, no C++ compiler, or "
+                                f"TRIFORCE_AVX512=0); drop {flag}")
+            wide = "wide_products" if module is stored_avx2 else "wide_attention"
+            return {name: Setup(cache, ours, **{wide: name == "avx512"}) for name in names}
     if args.products:
         if "amx" in args.products and not stored_amx.available():
             raise UserError("no AMX products here (the CPU lacks AMX, no C++ compiler, or TRIFORCE_AMX=0); "
                             "drop --products")
-        (cache,) = caches.values()
-        return {name: (cache, decode_attention.cache_attend, name == "amx") for name in args.products}
+        return {name: Setup(cache, ours, amx_products=name == "amx") for name in args.products}
     if args.attention:
         if "tiles" in args.attention and not decode_attention.tiles():
             raise UserError("attention's products take no AMX tiles here (the CPU lacks AMX, no C++ compiler, "
                             "or TRIFORCE_AMX=0); drop --attention")
-        (cache,) = caches.values()
-        products = stored_amx.available()
-        return {name: (cache, decode_attention.cache_attend, products, name == "tiles") for name in args.attention}
+        return {name: Setup(cache, ours, attention_tiles=name == "tiles") for name in args.attention}
     if not args.against:
-        return {name: (cache, decode_attention.cache_attend) for name, cache in caches.items()}
+        return {name: Setup(cache, ours) for name, cache in caches.items()}
     if len(caches) > 1:
         raise UserError("--against takes one key layout (the one for the revision's kernels)")
     (layout, cache), = caches.items()
-    return {args.against + (f" ({layout} keys)" if layout else ""): (cache, kernels_against(args.against)),
-            "this tree": (FullCache(model.kv_shape(), slots), decode_attention.cache_attend)}
+    return {args.against + (f" ({layout} keys)" if layout else ""): Setup(cache, kernels_against(args.against)),
+            "this tree": Setup(FullCache(model.kv_shape(), slots), ours)}
 
 
 def build_caches(model, layouts: list[str], slots: int) -> dict:
@@ -201,7 +220,8 @@ def main(argv=None) -> int:
         table.add_column(col, justify="right")
     points, start = len(args.contexts) * len(args.tokens), time.perf_counter()
     for S in args.contexts:
-        for cache, *_ in setups.values():  # random keys and values: the cost does not depend on them
+        # random keys and values (the cost does not depend on them), each cache once
+        for cache in {id(setup.cache): setup.cache for setup in setups.values()}.values():
             cache.k.normal_()
             cache.v.normal_()
             cache.used = cache.length = S

@@ -114,28 +114,31 @@ def test_pass_cost_times_attention_on_tiles_and_avx512_side_by_side(tmp_path, ca
         pass_cost.main([*args, "--attention", "tiles", "--key-layouts", "tiled"])
 
 
-def test_pass_cost_times_float32_products_in_avx512_and_avx2_code(tmp_path, capsys):
-    """--dtype float32 --products avx512,avx2: a row per code of the stored blocks' float32 kernels on
-    a CPU with avx512f (the process's own code back after); elsewhere one line saying why not."""
+@pytest.mark.parametrize("flag", ["--products", "--attention"])
+def test_pass_cost_times_float32_kernels_in_avx512_and_avx2_code(flag, tmp_path, capsys):
+    """--dtype float32 --products (--attention) avx512,avx2: a row per code of the stored blocks'
+    float32 kernels (of attention's) on a CPU with avx512f, the process's own code back after;
+    elsewhere one line saying why not."""
     from bench import pass_cost
     from tests.model.test_stored import write_tiny_gguf
-    from triforce.model import stored_avx2
+    from triforce.model import cpu_kernels, decode_attention_f32, stored_avx2
     from triforce.model.errors import UserError
 
+    module, what = (stored_avx2, "products") if flag == "--products" else (decode_attention_f32, "attention")
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, seed=2)
     args = ["--model", str(path), "--contexts", "40", "--tokens", "1,3", "--repeats", "1", "--dtype", "float32"]
     with pytest.raises(SystemExit):  # AMX is a bfloat16 path
-        pass_cost.main([*args, "--products", "amx,avx2"])
-    before = stored_avx2.code()
-    if not stored_avx2.wide_default():
-        with pytest.raises(UserError, match="no avx512f float32 products"):
-            pass_cost.main([*args, "--products", "avx512,avx2"])
+        pass_cost.main([*args, flag, "amx,tiles,avx2"])
+    before = module.code()
+    if not cpu_kernels.wide_default():
+        with pytest.raises(UserError, match=f"no avx512f float32 {what}"):
+            pass_cost.main([*args, flag, "avx512,avx2"])
         return
-    assert pass_cost.main([*args, "--products", "avx512,avx2"]) == 0
+    assert pass_cost.main([*args, flag, "avx512,avx2"]) == 0
     table = capsys.readouterr().out
-    assert "avx512" in table and "avx2" in table and "products" in table
-    assert stored_avx2.code() == before
+    assert "avx512" in table and "avx2" in table and what in table
+    assert module.code() == before
 
 
 BEFORE_CSRC = "317a4d4"  # the last commit whose kernels' C++ was Python strings (moved to model/csrc/ next)

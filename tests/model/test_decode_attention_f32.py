@@ -9,6 +9,7 @@ from triforce.model import attention, cpu_kernels
 from triforce.model import decode_attention as bf16
 from triforce.model import decode_attention_f32 as f32
 from tests.model.test_attention import reference
+from tests.model.test_stored_avx2 import kernel_code_fixture
 
 needs_kernels = pytest.mark.skipif(not f32.available(), reason="no avx2/fma/f16c or no C++ compiler: attention keeps its GEMMs")
 needs_bf16_kernels = pytest.mark.skipif(not bf16.available(), reason="no avx512_bf16 or no C++ compiler")
@@ -253,9 +254,42 @@ def test_attend_reads_nothing_past_the_limits(kernels, dtype):
     assert torch.equal(got, cut) and got.abs().max() < 10
 
 
+kernel_code = kernel_code_fixture(f32)
+needs_avx512 = pytest.mark.skipif(not (f32.available() and cpu_kernels.cpu_has(cpu_kernels.AVX512F)),
+                                  reason="no avx512f, or the kernels do not build")
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", f32.CACHE_DTYPES)
+@pytest.mark.parametrize("D", f32.HEAD_DIMS)
+def test_avx512_code_gives_the_avx2_bits(D, dtype):
+    """On a CPU with avx512f both products run two rows a register (scores) and 16 dims a register
+    (mix); each output must still be the avx2 code's, bit for bit, at every row count (tiles of 6
+    rows, pairs, an odd row) and key count (a part group of 8, a part block, several spans), and so
+    must the whole attention (a machine's tokens do not depend on which code ran)."""
+    g = torch.Generator().manual_seed(D)
+    for S in (1, 7, 77, 1000, 2051):
+        keys, values = (torch.randn(2, S, D, generator=g).to(dtype) for _ in range(2))
+        for R in (*range(1, 15), 21, 23, 42):
+            rows = torch.randn(2, R, D, generator=g)
+            probs = torch.rand(2, R, S, generator=g)
+            T = 3 if R % 3 == 0 and S >= 3 else 1  # 3 tokens: rows that see 1-2 keys fewer
+            limits = torch.arange(S - T + 1, S + 1)
+            try:
+                f32.use_avx512(False)
+                narrow = f32.scores(rows, keys), f32.mix(probs, values), f32.attend(rows, keys, values, limits, 0.125)
+                f32.use_avx512(True)
+                wide = f32.scores(rows, keys), f32.mix(probs, values), f32.attend(rows, keys, values, limits, 0.125)
+            finally:
+                f32.use_avx512(f32.WIDE)
+            for name, a, b in zip(("scores", "mix", "attend"), narrow, wide):
+                assert torch.equal(a, b), (name, S, R)
+
+
 @needs_kernels
+@pytest.mark.parametrize("kernel_code", ["avx2", "avx512"], indirect=True)
 @pytest.mark.parametrize("rep,T", [(3, 4), (3, 7), (6, 7)])
-def test_attend_gives_each_row_its_one_token_bits(rep, T):
+def test_attend_gives_each_row_its_one_token_bits(rep, T, kernel_code):
     """A verification pass of T tokens gives each token exactly what a pass of that token alone gives
     (greedy speculative decoding equals plain decoding only if they agree bit for bit), and 1 and 2
     threads agree (the spans follow the keys alone)."""

@@ -18,7 +18,7 @@ from .test_stored import random_q4_k
 from .test_stored_bf16 import blocks_of
 
 needs_kernels = pytest.mark.skipif(not stored_avx2.available(), reason="no avx2/FMA/F16C or no C++ compiler")
-needs_avx512 = pytest.mark.skipif(not (stored_avx2.available() and cpu_kernels.cpu_has(stored_avx2.AVX512F)),
+needs_avx512 = pytest.mark.skipif(not (stored_avx2.available() and cpu_kernels.cpu_has(cpu_kernels.AVX512F)),
                                   reason="no avx512f, or the kernels do not build")
 F32_EPS = 2 ** -24
 
@@ -49,16 +49,21 @@ def test_kernel_is_the_float64_dequantized_product(kind, rows, shape):
     assert float32_sum_ok(got, x, blocks.dequantize(), bias).all()
 
 
-@pytest.fixture
-def kernel_code(request):
-    """Run a test through the avx2 code or the avx512f one (where the CPU has it), then put back what
-    the process runs."""
-    wide = request.param == "avx512"
-    if wide and not (stored_avx2.available() and cpu_kernels.cpu_has(stored_avx2.AVX512F)):
-        pytest.skip("no avx512f, or the kernels do not build")
-    stored_avx2.use_avx512(wide)
-    yield request.param
-    stored_avx2.use_avx512(stored_avx2.WIDE)
+def kernel_code_fixture(module):
+    """A fixture that runs a test through a float32 kernel module's avx2 code or its avx512f code
+    (where the CPU has it; parametrized indirectly with the name), then puts back what the process runs."""
+    @pytest.fixture
+    def kernel_code(request):
+        wide = request.param == "avx512"
+        if wide and not (module.available() and cpu_kernels.cpu_has(cpu_kernels.AVX512F)):
+            pytest.skip("no avx512f, or the kernels do not build")
+        module.use_avx512(wide)
+        yield request.param
+        module.use_avx512(module.WIDE)
+    return kernel_code
+
+
+kernel_code = kernel_code_fixture(stored_avx2)
 
 
 @needs_kernels
@@ -109,7 +114,7 @@ def test_avx512_is_taken_where_the_cpu_has_it(monkeypatch):
             monkeypatch.delenv("TRIFORCE_AVX512", raising=False)
         else:
             monkeypatch.setenv("TRIFORCE_AVX512", env)
-        assert stored_avx2.wide_default() is want, (flags, env)
+        assert cpu_kernels.wide_default() is want, (flags, env)
 
 
 @needs_kernels

@@ -19,6 +19,10 @@ from .kv_dtype import cpu_flags
 
 AVX512_BF16 = frozenset({"avx512f", "avx512bw", "avx512_bf16"})  # the bfloat16 kernels' code
 AVX2 = frozenset({"avx2", "fma", "f16c"})  # the float32 kernels' code
+# A CPU with avx512f (and no native bfloat16, so the model computes in float32: Xeons from Skylake-SP
+# to Ice Lake) runs the float32 kernels as avx512f code, the same bits as their avx2 code
+# (stored_avx2.py, decode_attention_f32.py). TRIFORCE_AVX512=0 keeps the avx2 code there too.
+AVX512F = frozenset({"avx512f"})
 
 CSRC = Path(__file__).with_name("csrc")  # the kernels' C++, as files a C++ editor and reader can take
 
@@ -35,6 +39,33 @@ PRELUDE = csrc("prelude.h")
 
 def cpu_has(isa: frozenset[str] = AVX512_BF16) -> bool:
     return isa <= cpu_flags()
+
+
+def wide_default() -> bool:
+    """Whether the float32 kernels run their avx512f code: the CPU has it, TRIFORCE_AVX512 is not 0."""
+    return cpu_has(AVX512F) and os.environ.get("TRIFORCE_AVX512", "1") != "0"
+
+
+class WideCode:
+    """Which code a float32 kernel module runs, its avx512f code or its avx2 code (the same bits):
+    `use` switches the built module (its `use_avx512` op in torch.ops.`namespace`), `code` says."""
+
+    def __init__(self, namespace: str, available: Callable[[], bool]):
+        self.namespace, self.available, self.wide = namespace, available, False
+
+    def use(self, on: bool) -> None:
+        """Run the module's kernels as avx512f code (on: the CPU must have avx512f) or as avx2 code;
+        the same bits either way (to time one against the other)."""
+        import torch
+
+        if on and not cpu_has(AVX512F):
+            raise ValueError("this CPU has no avx512f")
+        getattr(torch.ops, self.namespace).use_avx512(on)
+        self.wide = on
+
+    def code(self) -> str:
+        """'avx512' or 'avx2' (the kernels built, else '')."""
+        return ("avx512" if self.wide else "avx2") if self.available() else ""
 
 
 _BUILT: dict[str, bool] = {}

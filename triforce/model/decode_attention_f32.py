@@ -1,7 +1,7 @@
 """The two products of decode attention for float32 query rows over a 16-bit (or float32) cache, on
-CPUs with avx2, fma and f16c: scores = rows . keys^T and out = probs . values for each KV head, the
-rows being the query rows that share the head (GQA group x new tokens: 3 in a SmolLM2 decode step,
-21 in a verification pass of 7 tokens, 42 for Qwen2.5-1.5B).
+CPUs with avx2, fma and f16c (as avx512f code where the CPU has it): scores = rows . keys^T and
+out = probs . values for each KV head, the rows being the query rows that share the head (GQA group x
+new tokens: 3 in a SmolLM2 decode step, 21 in a verification pass of 7 tokens, 42 for Qwen2.5-1.5B).
 
 A float32 model on a CPU without avx512_bf16 keeps its KV cache in 16 bits (model/kv_dtype.py). The
 products used to widen each head to float32 with `.to()` and run torch's GEMMs on the copy: memory
@@ -51,6 +51,25 @@ At 1-3 rows the float16 kernels run at the memory floor (2.7-4.2x faster than wi
 they are bound by the multiply-adds, at 85-90% of FMA's peak. Over a float32 cache the same kernels
 beat torch's bmm at every row count (1.4-3x), so they serve float32 caches too.
 
+On a CPU with avx512f (and no native bfloat16: Xeons from Skylake-SP to Ice Lake, where the model
+computes in float32) both products and the softmax's exponentials run as avx512f code
+(csrc/attention_f32_avx512.h), each lane making the avx2 code's operations in its order: the same
+bits, tested. Scores put two rows in a register (a pair's 8 partial sums per key in each half), 3 pairs
+x 8 keys a tile, a block of 16-bit keys widened once into L1 when two tiles or more read it (where
+the avx2 code's widening serves 2 rows, this one serves 6 to all); mix holds 16 dims of a row's sums a
+register, 6 rows x 64 dims a tile. Below 5 rows (scores) and 2 (mix) the avx2 code runs: bound by
+reading the cache, it was as fast or faster. SmolLM2's 30 layers on the 2-core avx512 Xeon, float16
+cache, 2 threads, ms avx2 -> avx512 side by side in one process:
+
+    keys  rows   scores            mix               attend
+    4096     3    2.9 ->  2.7      2.8 ->  2.6       5.8 ->  5.8
+    4096    21   11.8 ->  7.7     11.9 ->  5.8      27.9 -> 17.6 (1.59x)
+   16384     3   12.6 -> 12.5     12.2 -> 11.4      27.1 -> 25.4
+   16384    21   49.5 -> 31.0     50.1 -> 23.0     108.7 -> 62.8 (1.73x)
+
+Llama-3-like heads (8 KV heads x 128 dims, 28 rows, 4,096 keys, one thread): scores 1.73x, mix
+1.98x. `TRIFORCE_AVX512=0` keeps the avx2 code (cpu_kernels.wide_default).
+
 The C++ is built at first use with torch's extension builder (cached on disk) and registered as torch
 ops (`triforce_decode_f32::scores`, `::mix`, `::attend`) that torch.compile calls as opaque kernels. Where it
 cannot build, or the CPU lacks avx2/fma/f16c, attention keeps its GEMMs.
@@ -64,9 +83,13 @@ from . import cpu_kernels
 HEAD_DIMS = (64, 128)  # the kernels are unrolled for these
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-SOURCE = cpu_kernels.csrc("decode_attention_f32.cpp")
+SOURCE = cpu_kernels.csrc("attention_f32_blocks.h", "attention_f32_avx512.h", "decode_attention_f32.cpp")
 
 KERNEL = cpu_kernels.Kernel("triforce_decode_attention_f32", SOURCE, isa=cpu_kernels.AVX2, pool_ops="triforce_decode_f32")
+
+# On a CPU with avx512f both products run as avx512f code, the same bits (csrc/attention_f32_avx512.h;
+# cpu_kernels.wide_default)
+WIDE = cpu_kernels.wide_default()
 
 
 @cpu_kernels.constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
@@ -78,18 +101,29 @@ def available() -> bool:
 
 def _self_check() -> bool:
     """1 and 9 rows (the one-tile and tiled value loops), 77 keys (a part block and a part group of
-    8), every cache dtype, against bmm on the widened cache."""
+    8), every cache dtype, against bmm on the widened cache; where the CPU has avx512f, its code the
+    avx2 code's bits. Leaves the module on WIDE."""
     g = torch.Generator().manual_seed(0)
+    ok = True
     for dtype in CACHE_DTYPES:
         cache = torch.randn(2, 77, 64, generator=g).to(dtype)
         wide = cache.float()
         for n in (1, 9):
             rows = torch.randn(2, n, 64, generator=g)
             probs = torch.rand(2, n, 77, generator=g)
-            if not (torch.allclose(scores(rows, cache), torch.bmm(rows, wide.transpose(1, 2)), rtol=1e-4, atol=1e-4)
-                    and torch.allclose(mix(probs, cache), torch.bmm(probs, wide), rtol=1e-4, atol=1e-4)):
-                return False
-    return True
+            use_avx512(False)
+            products = scores(rows, cache), mix(probs, cache)
+            ok = ok and (torch.allclose(products[0], torch.bmm(rows, wide.transpose(1, 2)), rtol=1e-4, atol=1e-4)
+                         and torch.allclose(products[1], torch.bmm(probs, wide), rtol=1e-4, atol=1e-4))
+            if cpu_kernels.cpu_has(cpu_kernels.AVX512F):
+                use_avx512(True)
+                ok = ok and torch.equal(scores(rows, cache), products[0]) and torch.equal(mix(probs, cache), products[1])
+    use_avx512(WIDE)
+    return ok
+
+
+_code = cpu_kernels.WideCode("triforce_decode_f32", lambda: available())
+use_avx512, code = _code.use, _code.code  # the attention's code, and which one runs
 
 
 def _register_shapes() -> None:

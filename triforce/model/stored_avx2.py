@@ -41,8 +41,6 @@ avx512,avx2`: whole passes, side by side).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import cpu_kernels
@@ -59,18 +57,9 @@ SOURCE = cpu_kernels.csrc("stored_avx2.cpp")
 
 KERNEL = cpu_kernels.Kernel("triforce_stored_f32", SOURCE, isa=cpu_kernels.AVX2, pool_ops="triforce_stored_f32")
 
-# On a CPU with avx512f (and no native bfloat16, so the model computes in float32: Xeons from
-# Skylake-SP to Ice Lake) the kernels take 16 outputs a register, two groups side by side, the same
-# bits as the avx2 code (csrc/stored_avx2.cpp). TRIFORCE_AVX512=0 keeps the avx2 code there too.
-AVX512F = frozenset({"avx512f"})
-
-
-def wide_default() -> bool:
-    return cpu_kernels.cpu_has(AVX512F) and os.environ.get("TRIFORCE_AVX512", "1") != "0"
-
-
-WIDE = wide_default()
-_wide = [False]  # what the built module runs now (use_avx512)
+# On a CPU with avx512f the kernels take 16 outputs a register, two groups side by side, the same
+# bits as the avx2 code (csrc/stored_avx2.cpp; cpu_kernels.wide_default)
+WIDE = cpu_kernels.wide_default()
 
 
 @cpu_kernels.constant_result  # torch.compile asks at trace time, and builds nothing inside a graph
@@ -100,25 +89,15 @@ def _self_check() -> bool:
         narrow = product(x, records, 40)
         ok = ok and bool(((narrow.double() - want).abs() <= 1e-5 * (1 + want.abs())).all())
         ok = ok and bool(((dense(records, 40).double() - w).abs() <= 1e-6 * w.abs()).all())
-        if cpu_kernels.cpu_has(AVX512F):
+        if cpu_kernels.cpu_has(cpu_kernels.AVX512F):
             use_avx512(True)
             ok = ok and torch.equal(product(x, records, 40), narrow)
     use_avx512(WIDE)
     return ok
 
 
-def use_avx512(on: bool) -> None:
-    """Run the products through the avx512f kernels (on: the CPU must have avx512f) or the avx2 ones;
-    the same bits either way (to time one against the other)."""
-    if on and not cpu_kernels.cpu_has(AVX512F):
-        raise ValueError("this CPU has no avx512f")
-    torch.ops.triforce_stored_f32.use_avx512(on)
-    _wide[0] = on
-
-
-def code() -> str:
-    """Which kernels the products run: 'avx512' or 'avx2' (the kernels built, else '')."""
-    return ("avx512" if _wide[0] else "avx2") if available() else ""
+_code = cpu_kernels.WideCode("triforce_stored_f32", lambda: available())
+use_avx512, code = _code.use, _code.code  # the products' code, and which one runs
 
 
 def _register_shapes() -> None:

@@ -1,62 +1,12 @@
-// Attention at a few to a few dozen queries in float32 over 16- or 32-bit caches on avx2
-// (decode_attention_f32.py), after prelude.h.
+// Attention at a few to a few dozen queries in float32 over 16- or 32-bit caches on avx2, and on
+// avx512f where the CPU has it (decode_attention_f32.py), after prelude.h, attention_f32_blocks.h and
+// attention_f32_avx512.h.
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
-
-// the cache's element types: two 16-bit kinds told apart by type, float32 as it is
-struct f16 { uint16_t x; };
-struct b16 { uint16_t x; };
-
-template <typename T> AVX2 inline __m256 load8(const T* p);
-template <> AVX2 inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
-template <> AVX2 inline __m256 load8<f16>(const f16* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-template <> AVX2 inline __m256 load8<b16>(const b16* p) {  // bfloat16 is float32's upper half
-  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-
-// Software prefetch of a head's cache, spread over the steps of the loops that work on the block
-// before (asking for a whole block at once, as it starts, stalls on the memory system's queue).
-constexpr int64_t MARGIN = 4096;  // bytes asked for beyond the next block
-
-struct Ahead {
-  const char* next;   // the first line not yet asked for
-  const char* end;    // the head's last byte + 1
-  const char* limit;  // how far the current block's steps go
-  int64_t per_step;   // lines asked for per step
-
-  // block_bytes read per block of `steps` steps; the first two blocks and MARGIN asked for at once
-  Ahead(const void* from, const void* to, int64_t block_bytes, int64_t steps)
-      : next(static_cast<const char*>(from)), end(static_cast<const char*>(to)),
-        per_step(std::max<int64_t>(1, (block_bytes / 64 + steps - 1) / std::max<int64_t>(1, steps))) {
-    aim(from, block_bytes);
-    for (; next < limit; next += 64) _mm_prefetch(next, _MM_HINT_T0);
-  }
-
-  // the block at `block` is read now: ask for the one after it and MARGIN beyond
-  void aim(const void* block, int64_t block_bytes) {
-    limit = std::min(end, static_cast<const char*>(block) + 2 * block_bytes + MARGIN);
-  }
-
-  inline void step() {
-    for (int64_t i = 0; i < per_step && next < limit; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T0);
-  }
-};
-
-// Keys and values are taken a block at a time (BLOCK values: 32 keys at head_dim 64, 16 at 128, 4-8 KB)
-// and every row runs over the block while it sits in L1, so memory sees each value once per call.
-// They are widened in registers as they are loaded, again for each row (pair) that reads them: a
-// float32 copy of the block, widened once into an L1 buffer and read by every row, took longer at
-// every row count, its stores and loads costing more than F16C's conversion or bfloat16's shift
-// (SmolLM2 at 16K keys, float16: scores 7.0 ms against 5.9 at 1 row, 29.3 against 20.4 at 12,
-// 89.7 against 69.1 at 42; the values product alike).
-constexpr int BLOCK = 2048;
 
 // ======== scores = rows . keys^T ========
 
@@ -117,17 +67,22 @@ AVX2 void score_rows(const float* rows, int64_t R, const T* k, int64_t n, float*
     }
 }
 
-// out[r, 0:S] = rows[r] . keys[0:S] for one head's S keys, out's rows `ld` apart
-template <int D, typename T>
+// out[r, 0:S] = rows[r] . keys[0:S] for one head's S keys, out's rows `ld` apart; Wide: each block's
+// multiples of 8 keys through the avx512f code (attention_f32_avx512.h), the same bits
+template <int D, typename T, bool Wide>
 AVX2 void scores_head(const float* rows, int64_t R, const T* keys, int64_t S, float* out, int64_t ld) {
   constexpr int KB = BLOCK / D;
   constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
+  if constexpr (Wide)
+    if (R < WIDE_SCORE_ROWS) return scores_head<D, T, false>(rows, R, keys, S, out, ld);
   alignas(32) float tail[8 * D];
-  Ahead ahead(keys, keys + S * D, bytes, (R + 1) / 2 * KB / 8);
+  const float* packed = Wide ? pack_pairs<D>(rows, R) : nullptr;
+  Ahead ahead(keys, keys + S * D, bytes, (Wide ? wide_score_tiles(R) : (R + 1) / 2) * KB / 8);
   for (int64_t s0 = 0; s0 < S; s0 += KB) {
     int64_t n = std::min<int64_t>(KB, S - s0), full = n - n % 8;
     ahead.aim(keys + s0 * D, bytes);
-    score_rows<D>(rows, R, keys + s0 * D, full, out + s0, ld, ahead);
+    if constexpr (Wide) score_rows_wide<D>(packed, R, keys + s0 * D, full, out + s0, ld, ahead);
+    else score_rows<D>(rows, R, keys + s0 * D, full, out + s0, ld, ahead);
     if (full < n) {  // the last n % 8 keys: widened into a block of 8 padded with zero keys
       for (int64_t i = 0; i < 8 * D; i += 8)
         _mm256_store_ps(tail + i, i < (n - full) * D ? load8(keys + (s0 + full) * D + i) : _mm256_setzero_ps());
@@ -193,17 +148,21 @@ AVX2 void mix_rows(const float* probs, int64_t R, int64_t S, const T* v, int64_t
   }
 }
 
-// out[r] = probs[r, 0:S] . values[0:S] for one head's S values, probs' rows `ld` apart
-template <int D, typename T>
+// out[r] = probs[r, 0:S] . values[0:S] for one head's S values, probs' rows `ld` apart; Wide: through
+// the avx512f code, the same bits
+template <int D, typename T, bool Wide>
 AVX2 void mix_head(const float* probs, int64_t R, int64_t S, int64_t ld, const T* values, float* out) {
+  if constexpr (Wide)
+    if (R < WIDE_MIX_ROWS) return mix_head<D, T, false>(probs, R, S, ld, values, out);
   constexpr int KB = BLOCK / D;
   constexpr int64_t bytes = int64_t(KB) * D * sizeof(T);
   std::fill(out, out + R * D, 0.0f);
-  Ahead ahead(values, values + S * D, bytes, KB * mix_passes<D>(R));
+  Ahead ahead(values, values + S * D, bytes, KB * (Wide ? wide_mix_passes<D>(R) : mix_passes<D>(R)));
   for (int64_t s0 = 0; s0 < S; s0 += KB) {
     int64_t n = std::min<int64_t>(KB, S - s0);
     ahead.aim(values + s0 * D, bytes);
-    mix_rows<D>(probs + s0, R, ld, values + s0 * D, n, out, ahead);
+    if constexpr (Wide) mix_rows_wide<D>(probs + s0, R, ld, values + s0 * D, n, out, ahead);
+    else mix_rows<D>(probs + s0, R, ld, values + s0 * D, n, out, ahead);
   }
 }
 
@@ -234,7 +193,9 @@ AVX2 inline __m256 exp8(__m256 x) {
 // row's own maximum (returned, with their sum), the rest zero. The weights are not yet divided by
 // the sum: the spans of a head each weigh by their own maximum, and the heads' merge brings them to
 // one. The scale rides in exp's argument (s * scale - max, one rounding); scale > 0, so the scaled
-// maximum is the maximum's scaled value.
+// maximum is the maximum's scaled value. Wide: the exponentials 16 at a time in avx512f code (exps16),
+// the same bits.
+template <bool Wide>
 AVX2 inline void span_weights(float* s, int64_t seen, int64_t n, float scale, float& top, float& total) {
   __m256 top8 = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
@@ -246,7 +207,15 @@ AVX2 inline void span_weights(float* s, int64_t seen, int64_t n, float scale, fl
   m *= scale;
   __m256 sv = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
   __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();  // two chains: exp's adds overlap
-  for (j = 0; j + 16 <= seen; j += 16) {
+  j = 0;
+  if constexpr (Wide) {
+    alignas(64) float sums[16];
+    j = seen - seen % 16;
+    exps16(s, j, scale, m, sums);
+    sum0 = _mm256_load_ps(sums);
+    sum1 = _mm256_load_ps(sums + 8);
+  }
+  for (; j + 16 <= seen; j += 16) {
     __m256 e0 = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), sv, mv));
     __m256 e1 = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + j + 8), sv, mv));
     _mm256_storeu_ps(s + j, e0);
@@ -270,7 +239,7 @@ AVX2 inline void span_weights(float* s, int64_t seen, int64_t n, float scale, fl
   top = m;
 }
 
-template <int D, typename T>
+template <int D, typename T, bool Wide>
 struct AttendOp {
   // A (head, span) task of prelude.h's attend_spans: the rows' scores in a scratch block, their weights,
   // then their weighted sum of the span's values.
@@ -285,9 +254,9 @@ struct AttendOp {
       thread_local std::vector<float> scratch;
       if (scratch.size() < size_t(R * reach)) scratch.resize(R * reach);
       float* weights = scratch.data();
-      scores_head<D, T>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, reach, weights, reach);
-      for (int64_t r = 0; r < R; ++r) span_weights(weights + r * reach, seen[r], reach, scale, top[r], total[r]);
-      mix_head<D, T>(weights, R, reach, reach, v + h * values.stride(0) + s0 * D, part);
+      scores_head<D, T, Wide>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, reach, weights, reach);
+      for (int64_t r = 0; r < R; ++r) span_weights<Wide>(weights + r * reach, seen[r], reach, scale, top[r], total[r]);
+      mix_head<D, T, Wide>(weights, R, reach, reach, v + h * values.stride(0) + s0 * D, part);
     });
   }
 };
@@ -302,49 +271,55 @@ void check_cache(const at::Tensor& cache, int64_t heads, int64_t D) {
   TORCH_CHECK(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, "cache must be float16, bfloat16 or float32");
 }
 
-// the kernel for this head_dim and cache dtype, run for each head
-template <template <int, typename> class Op, typename... Args>
+// the kernel for this head_dim and cache dtype, in the code use_avx512 chose, run for each head
+template <template <int, typename, bool> class Op, int D, typename T, typename... Args>
+void in_code(const at::Tensor& cache, Args... args) {
+  if (use_wide) Op<D, T, true>::run(cache, args...);
+  else Op<D, T, false>::run(cache, args...);
+}
+
+template <template <int, typename, bool> class Op, typename... Args>
 void per_head(const at::Tensor& cache, int64_t D, Args... args) {
   auto t = cache.scalar_type();
   if (D == 64) {
-    if (t == at::kHalf) Op<64, f16>::run(cache, args...);
-    else if (t == at::kBFloat16) Op<64, b16>::run(cache, args...);
-    else Op<64, float>::run(cache, args...);
+    if (t == at::kHalf) in_code<Op, 64, f16>(cache, args...);
+    else if (t == at::kBFloat16) in_code<Op, 64, b16>(cache, args...);
+    else in_code<Op, 64, float>(cache, args...);
   } else {
-    if (t == at::kHalf) Op<128, f16>::run(cache, args...);
-    else if (t == at::kBFloat16) Op<128, b16>::run(cache, args...);
-    else Op<128, float>::run(cache, args...);
+    if (t == at::kHalf) in_code<Op, 128, f16>(cache, args...);
+    else if (t == at::kBFloat16) in_code<Op, 128, b16>(cache, args...);
+    else in_code<Op, 128, float>(cache, args...);
   }
 }
 
-template <int D, typename T>
+template <int D, typename T, bool Wide>
 struct ScoresOp {
   static void run(const at::Tensor& keys, const float* rows, int64_t R, float* out) {
     int64_t H = keys.size(0), S = keys.size(1), C = spans(S);
     const T* k = reinterpret_cast<const T*>(keys.const_data_ptr());
     over_tasks(H * C, H * S * R * D, [&](int64_t task) {
       int64_t h = task % H, s0 = task / H * SPAN;
-      scores_head<D, T>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, std::min(SPAN, S - s0),
+      scores_head<D, T, Wide>(rows + h * R * D, R, k + h * keys.stride(0) + s0 * D, std::min(SPAN, S - s0),
                         out + h * R * S + s0, S);
     });
   }
 };
 
-template <int D, typename T>
+template <int D, typename T, bool Wide>
 struct MixOp {
   static void run(const at::Tensor& values, const float* probs, int64_t R, float* out) {
     int64_t H = values.size(0), S = values.size(1), C = spans(S);
     const T* v = reinterpret_cast<const T*>(values.const_data_ptr());
     if (C == 1) {  // one span a head: straight into the output
       over_tasks(H, H * S * R * D, [&](int64_t h) {
-        mix_head<D, T>(probs + h * R * S, R, S, S, v + h * values.stride(0), out + h * R * D);
+        mix_head<D, T, Wide>(probs + h * R * S, R, S, S, v + h * values.stride(0), out + h * R * D);
       });
       return;
     }
     std::vector<float> parts(H * C * R * D);
     over_tasks(H * C, H * S * R * D, [&](int64_t task) {
       int64_t h = task % H, c = task / H, t = h * C + c, s0 = c * SPAN;
-      mix_head<D, T>(probs + h * R * S + s0, R, std::min(SPAN, S - s0), S, v + h * values.stride(0) + s0 * D,
+      mix_head<D, T, Wide>(probs + h * R * S + s0, R, std::min(SPAN, S - s0), S, v + h * values.stride(0) + s0 * D,
                      parts.data() + t * R * D);
     });
     for (int64_t h = 0; h < H; ++h) {
@@ -479,6 +454,7 @@ at::Tensor cache_attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 TORCH_LIBRARY(triforce_decode_f32, m) {
   m.def("use_pool(int address) -> ()", &use_pool);
+  m.def("use_avx512(bool on) -> ()", &use_avx512);
   m.def("scores(Tensor rows, Tensor keys) -> Tensor");
   m.def("mix(Tensor probs, Tensor values) -> Tensor");
   m.def("attend(Tensor rows, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");

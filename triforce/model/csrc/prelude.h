@@ -127,6 +127,8 @@ constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
 using bf16 = uint16_t;
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+// a CPU with AVX-512 but no native bfloat16 (Xeons from Skylake-SP to Ice Lake): the float32 kernels' wide code
+#define AVX512F __attribute__((target("avx512f,avx2,fma,f16c")))
 
 // f32 -> bf16, round to nearest even (what torch's bmm and GEMMs do to their float32 sums); NaN stays NaN
 AVX512 inline __m256i to_bf16(__m512 x) {

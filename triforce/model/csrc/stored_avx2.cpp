@@ -180,7 +180,6 @@ template <int NR, typename Scale> struct Q8 { static constexpr GroupFn fn = q8_g
 // on the avx512 Xeon, avx2 0.096). Each lane makes the avx2 kernel's lane's operations in its order
 // (one chain per output and row, codes in the same order, the same roundings), so both give the same
 // bits, and a machine's passes take one of them throughout.
-#define AVX512F __attribute__((target("avx512f,avx2,fma,f16c")))
 constexpr int WIDE_GROUPS = 2;
 bool use_wide = false;  // set from Python (stored_avx2.WIDE): avx512f here, TRIFORCE_AVX512 not 0
 void use_avx512(bool on) { use_wide = on; }
