@@ -148,25 +148,26 @@ class Level:
         return logits
 
     def feed(self, ids: torch.Tensor, n_out: int, progress: Callable | None = None,
-             one_off: bool = False) -> torch.Tensor:
-        """Run the model over device tokens appended to the cache, piece by piece; `one_off` pieces
-        never become graphs (graphs.GraphedModel.once)."""
+             one_off: bool = False, piece: int | None = None) -> torch.Tensor:
+        """Run the model over device tokens appended to the cache, in pieces of `piece` tokens (the
+        cache's max_feed by default); `one_off` pieces never become graphs (graphs.GraphedModel.once)."""
         captures = getattr(self.model, "captures", 0)
         model = getattr(self.model, "once", self.model) if one_off else self.model
         start = self.clock.now()
         logits, fed = [], 0
         try:
-            for i in range(0, ids.shape[0], self.cache.max_feed):
-                piece = ids[i:i + self.cache.max_feed]
-                out_needed = n_out - (ids.shape[0] - i - piece.shape[0])  # outputs this piece must return
+            step = piece or self.cache.max_feed
+            for i in range(0, ids.shape[0], step):
+                part = ids[i:i + step]
+                out_needed = n_out - (ids.shape[0] - i - part.shape[0])  # outputs this part must return
                 # a piece whose logits nobody reads computes only its last row: the output head over
                 # every position of a 4,096-token piece is 0.2 TFLOP for SmolLM2, 1.1 for Qwen2.5
-                out = model(piece, self.cache, last_only=out_needed <= 1)
+                out = model(part, self.cache, last_only=out_needed <= 1)
                 if out_needed > 0:
                     logits.append(out[-out_needed:])
-                fed += piece.shape[0]
+                fed += part.shape[0]
                 if progress is not None:
-                    progress(piece.shape[0])
+                    progress(part.shape[0])
         except BaseException:
             self.held += fed
             self.cache.rollback(self.held)  # a half-done forward (e.g. Ctrl-C) leaves no trace
