@@ -2,10 +2,12 @@
 warm-up: ms per token, torch ops per token, and whether greedy tokens agree. `--switch layer_ops`: a
 layer's small steps as one call each (model/layer_ops.py: the rotation, the float32 norm;
 `cache_attend`: the cache write and attention) against torch's ops for them; `--switch eager_steps`:
-each layer's kernels chosen once per model (model/eager_steps.py) against the modules choosing per call. SmolLM2 on its stored blocks; the KV cache is filled with random values to the context
+each layer's kernels chosen once per model (model/eager_steps.py) against the modules choosing per call;
+`--switch fused_layers`: a layer as two calls around its attention (model/fused_layers.py) against its
+bound steps called one by one. SmolLM2 on its stored blocks; the KV cache is filled with random values to the context
 (attention's cost does not depend on them), then each timed run decodes --tokens greedy steps from it.
 
-    python -m bench.layer_calls [--switch layer_ops|eager_steps --contexts 4096,16384 --dtypes f32,bf16 --threads 1]
+    python -m bench.layer_calls [--switch layer_ops|eager_steps|fused_layers --contexts 4096,16384 --dtypes f32,bf16 --threads 1]
 
 f32 is what an avx2-only CPU runs (float32 on the stored blocks, a float16 cache; set
 ATEN_CPU_CAPABILITY=avx2 to emulate one), bf16 what a CPU with avx512_bf16 runs.
@@ -23,13 +25,13 @@ import torch
 
 from bench.bytes_floor import machine
 from bench.kernels import OpCounter
-from triforce.model import eager_steps, layer_ops
+from triforce.model import eager_steps, fused_layers, layer_ops
 from triforce.model.kv_dtype import use_kv_dtype
 from triforce.model.loader import load_model
 from triforce.speculative.caches import FullCache
 
 DTYPES = {"f32": (torch.float32, torch.float16), "bf16": (torch.bfloat16, None)}  # compute, KV (None: the same)
-SWITCHES = {"layer_ops": layer_ops, "eager_steps": eager_steps}  # modules with an `enabled` flag
+SWITCHES = {"layer_ops": layer_ops, "eager_steps": eager_steps, "fused_layers": fused_layers}  # modules with an `enabled` flag
 
 
 def say(text: str) -> None:

@@ -56,6 +56,34 @@ def test_bound_steps_give_the_modules_bits(ggufs, arch, dtype, kv_dtype, T):
     assert torch.equal(bound, modules)
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_fused_layers_give_the_bound_steps_bits(ggufs, monkeypatch, T):
+    """A float32 layer over stored records runs as two calls around its attention
+    (model/fused_layers.py): the bits of its four steps called one by one."""
+    from triforce.model import fused_layers, layer_ops
+
+    model = load_gguf_model(ggufs / "llama.gguf", torch.float32, stored=True)
+    use_kv_dtype(model, torch.float16)
+    tokens = torch.randint(0, 48, (T,), generator=torch.Generator().manual_seed(T))
+    calls, attention_in = [], layer_ops.attention_in
+    monkeypatch.setattr(layer_ops, "attention_in", lambda *a: calls.append(1) or attention_in(*a))
+    fused = logits(model, tokens, True)
+    assert len(calls) == len(model.layers)  # this pass's (the prefix's 40 tokens take the modules)
+    monkeypatch.setattr(fused_layers, "enabled", False)
+    assert torch.equal(fused, logits(model, tokens, True))
+    assert len(calls) == len(model.layers)
+
+
+def test_layers_with_a_product_that_is_not_one_op_keep_their_steps(ggufs):
+    """bf16 products choose AMX per call, dense ones are torch's: no fused layer for them."""
+    from triforce.model import fused_layers
+
+    for arch, dtype in (("llama", torch.bfloat16), ("qwen2", torch.float32)):
+        model = load_gguf_model(ggufs / f"{arch}.gguf", dtype, stored=True)
+        like = torch.zeros(eager_steps.MAX_ROWS, model.cfg.hidden_size, dtype=dtype)
+        assert all(fused_layers.step(block, like) is None for block in model.layers), arch
+
+
 class ModuleCalls:
     """Counts nn.Module calls (not forward methods called directly)."""
 
@@ -83,7 +111,7 @@ def test_a_bound_pass_calls_no_module_inside_its_layers(ggufs, monkeypatch):
             model(torch.tensor([6]), cache)
         finally:
             eager_steps.enabled = True
-    assert calls.count - outside == outside + 8 * len(model.layers)  # norms, attention, MLP, their four products
+    assert calls.count - outside == outside + 9 * len(model.layers)  # the block, its norms, attention, MLP, four products
 
 
 def test_a_pass_of_more_rows_or_with_hooks_runs_the_modules(ggufs):

@@ -4,9 +4,10 @@ At 64 cached tokens a SmolLM2 float32 step on one avx2 core spends ~6 ms in its 
 more reaching them through the modules: eight nn.Module calls a layer, and on every call each product
 asking which kernel serves its rows, each norm and rotation whether its one-call op does. Within a
 model, a dtype and a pass of up to MAX_ROWS rows the answers never change, so this module takes them
-once and keeps, per layer, its four steps (attention_norm, attention, mlp_norm, mlp) as bound
-callables (`rows_step` on the modules that have a choice to make). The kernels and their order are the
-modules' own, so the bits are too (tests/model/test_eager_steps.py); 7.9 -> 6.4 ms a step there.
+once and keeps, per layer, its pass as a bound callable: two calls around the attention where every
+product is one op (model/fused_layers.py), else its four steps (attention_norm, attention, mlp_norm,
+mlp) bound (`rows_step` on the modules that have a choice to make). The kernels and their order are
+the modules' own, so the bits are too (tests/model/test_eager_steps.py); 7.9 -> 6.4 ms a step there.
 
 The modules' path stays for everything else: torch.compile (which traces the modules), GPUs (graphs
 replay without Python), prefill pieces (their kernels dwarf the calls), and any model with hooks
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import layer_ops
+from . import fused_layers, layer_ops
 from .attention import SDPA_MIN_QUERIES
 
 enabled = True  # off: every pass goes through the modules (`python -m bench.layer_calls --switch eager_steps`)
@@ -46,19 +47,29 @@ def watched(model: nn.Module) -> bool:
 _watch_list: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per model: the modules `watched` reads
 
 
-def bound_layers(model: nn.Module, x: torch.Tensor) -> list[tuple[Callable, ...]] | None:
-    """Each layer's (attention_norm, attention, mlp_norm, mlp) as bound steps for a pass of x (T,
-    hidden), or None where the pass goes through the modules (module docstring)."""
+def bound_layers(model: nn.Module, x: torch.Tensor) -> list[Callable] | None:
+    """Each layer's pass (x, cos, sin, cache, layer) -> x, bound for a pass of x (T, hidden), or None
+    where the pass goes through the modules (module docstring)."""
     if (torch.compiler.is_compiling() or not enabled or x.device.type != "cpu" or x.shape[0] > MAX_ROWS
             or watched(model)):
         return None
     plans = _plans.setdefault(model, {})
-    key = (x.dtype, layer_ops.enabled)  # layer_ops.enabled: bench.layer_calls switches it between runs
+    key = (x.dtype, layer_ops.enabled, fused_layers.enabled)  # bench.layer_calls switches them between runs
     if key not in plans:
         like = x.new_empty(MAX_ROWS, x.shape[-1])
-        plans[key] = [tuple(step(m, like) for m in (b.attention_norm, b.attention, b.mlp_norm, b.mlp))
-                      for b in model.layers]
+        plans[key] = [fused_layers.step(b, like) or layer_steps(b, like) for b in model.layers]
     return plans[key]
+
+
+def layer_steps(block: nn.Module, like: torch.Tensor) -> Callable:
+    """block's pass as its four steps, bound for rows like `like`."""
+    attention_norm, attention, mlp_norm, mlp = (step(m, like) for m in (block.attention_norm, block.attention,
+                                                                         block.mlp_norm, block.mlp))
+
+    def layer(x, cos, sin, cache, index: int):
+        x = x + attention(attention_norm(x), cos, sin, cache, index)
+        return x + mlp(mlp_norm(x))
+    return layer
 
 
 def forget(model: nn.Module) -> None:

@@ -69,6 +69,15 @@ def _register_shapes() -> None:
     def _(x, weight, eps):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("triforce_layer::attention_in")
+    def _(x, norm, eps, products, records, features, biases, cos, sin, heads, kv_heads):
+        T, D = x.shape[0], cos.shape[-1]
+        return x.new_empty(T, heads, D), x.new_empty(T, kv_heads, D), x.new_empty(T, kv_heads, D)
+
+    @torch.library.register_fake("triforce_layer::layer_out")
+    def _(x, attended, norm, eps, products, records, features, biases):
+        return torch.empty_like(x)
+
 
 def serves(x: torch.Tensor) -> bool:
     """Whether these ops take x: on CPU, 16 or 32 bits, eager (a compiled graph fuses the steps itself), built here."""
@@ -86,3 +95,19 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, he
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, float32, the mean summed in float64."""
     return torch.ops.triforce_layer.rms_norm(x, weight, eps)
+
+
+def attention_in(x, norm, eps: float, products: str, records, features, biases, cos, sin, heads: int,
+                 kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's steps before its attention (model/fused_layers.py): rms_norm(x), the q/k/v product
+    (`products`: its op's qualified name; its records, output features and bias as one-item lists), q
+    and k rotated -> (q, k, v)."""
+    return torch.ops.triforce_layer.attention_in(x, norm, eps, products, records, features, biases, cos, sin,
+                                                 heads, kv_heads)
+
+
+def layer_out(x, attended, norm, eps: float, products: str, records, features, biases) -> torch.Tensor:
+    """A layer's steps after its attention: h = x + o(attended), then h + down(silu(gate) * up) of
+    rms_norm(h); the three products' op names comma-separated, in that order, their records, output
+    features and biases as lists."""
+    return torch.ops.triforce_layer.layer_out(x, attended, norm, eps, products, records, features, biases)

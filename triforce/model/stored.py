@@ -140,6 +140,14 @@ class PackedLinear(nn.Module):
             return lambda x: product(x, records, n)
         return lambda x: product(x, records, n) + bias
 
+    def product_op(self, like: torch.Tensor) -> str | None:
+        """The qualified name of the one torch op rows_step's product calls for rows like `like` (T,
+        any), which model/fused_layers.py calls by name; None where it is not one op (bf16 chooses
+        AMX tiles per call; no records)."""
+        if self._records_kernels(like.new_empty(like.shape[0], self.in_features)) is not stored_avx2:
+            return None
+        return f"triforce_stored_f32::{self.block_kernel}_product"
+
     def _records_kernels(self, rows: torch.Tensor):
         """The module whose kernels take these rows over the records (stored_bf16 for bfloat16,
         stored_avx2 for float32), or None."""

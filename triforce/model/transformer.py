@@ -161,6 +161,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, intermediate)
 
+    def forward(self, x, cos, sin, cache, layer: int):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
 
 def _embedding(vocab: int, hidden: int) -> nn.Embedding:
     if torch.get_default_device().type == "meta":  # the loaders build here, then load the weights
@@ -220,11 +224,8 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         layers = eager_steps.bound_layers(self, x)  # eager CPU passes of a few rows: kernels chosen once
-        if layers is None:
-            layers = ((b.attention_norm, b.attention, b.mlp_norm, b.mlp) for b in self.layers)
-        for i, (attention_norm, attention, mlp_norm, mlp) in enumerate(layers):
-            x = x + attention(attention_norm(x), cos, sin, cache, i)
-            x = x + mlp(mlp_norm(x))
+        for i, layer in enumerate(self.layers if layers is None else layers):
+            x = layer(x, cos, sin, cache, i)
         cache.end(T)
         if last_only:
             x = x[-1:]

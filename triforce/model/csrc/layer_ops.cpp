@@ -2,6 +2,10 @@
 // -ffp-contract=off, so each step rounds as torch's ops do.
 
 #include <cmath>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 namespace {
 
@@ -116,15 +120,84 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
   return out;
 }
 
+
+// ======== a layer's steps around its attention, one call on each side ========
+// An eager decode pass's layer was a dozen calls from Python (a norm, the q/k/v product, the rotation,
+// a view; the output product and its add; a norm, the gate/up product, two slices, silu, a product,
+// the down product and its add), each a few microseconds of Python and dispatch whatever its size.
+// Here the steps before the attention are one call and those after it another: the same kernels in
+// the same order (the products through the dispatcher by name, torch's add, silu and mul as ATen
+// calls), so the same bits; the attention stays with the cache, in Python.
+
+// products over stored records by their ops' qualified names ("triforce_stored_f32::q4_product"),
+// comma-separated, each looked up once
+using Product = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>;
+
+const std::vector<Product>& products_named(const std::string& names) {
+  static std::mutex guard;
+  static std::unordered_map<std::string, std::vector<Product>> known;
+  std::lock_guard<std::mutex> hold(guard);
+  auto found = known.find(names);
+  if (found != known.end()) return found->second;
+  std::vector<Product> ops;
+  for (size_t start = 0; start <= names.size();) {
+    size_t end = std::min(names.find(',', start), names.size());
+    ops.push_back(c10::Dispatcher::singleton().findSchemaOrThrow(names.substr(start, end - start).c_str(), "")
+                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>());
+    start = end + 1;
+  }
+  return known.emplace(names, std::move(ops)).first->second;
+}
+
+// product i of a call: x W^T (+ bias, torch's add, as `product(x) + bias` adds in Python)
+at::Tensor apply(const std::vector<Product>& ops, size_t i, const at::Tensor& x, at::TensorList records,
+                 at::IntArrayRef features, const c10::List<std::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(i < ops.size() && i < records.size() && i < features.size() && i < biases.size(),
+              "one product name, records, feature count and bias (or None) each");
+  auto y = ops[i].call(x, records[i], features[i]);
+  std::optional<at::Tensor> bias = biases.get(i);
+  return bias.has_value() ? y + *bias : y;
+}
+
+// rms_norm, the fused q/k/v product, q and k rotated -> (q, k, v (T, kv_heads, D), a view of the product)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_in(
+    const at::Tensor& x, const at::Tensor& norm, double eps, const std::string& names, at::TensorList records,
+    at::IntArrayRef features, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+  auto qkv = apply(products_named(names), 0, rms_norm(x, norm, eps), records, features, biases);
+  auto [q, k] = rotary_qk(qkv, cos, sin, heads, kv_heads);
+  int64_t T = qkv.size(0), D = cos.size(-1);
+  return {q, k, qkv.slice(1, (heads + kv_heads) * D).view({T, kv_heads, D})};
+}
+
+// h = x + o(attended); h + down(silu(gate) * up) of rms_norm(h), gate and up the fused product's halves;
+// the products in the order o, gate/up, down
+at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& norm, double eps,
+                     const std::string& names, at::TensorList records, at::IntArrayRef features,
+                     const c10::List<std::optional<at::Tensor>>& biases) {
+  const auto& ops = products_named(names);
+  auto h = x + apply(ops, 0, attended, records, features, biases);
+  auto both = apply(ops, 1, rms_norm(h, norm, eps), records, features, biases);
+  int64_t intermediate = features[1] / 2;
+  auto gated = at::silu(both.slice(-1, 0, intermediate)) * both.slice(-1, intermediate);
+  return h + apply(ops, 2, gated, records, features, biases);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triforce_layer, m) {
   m.def("use_pool(int address) -> ()", &use_pool);
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("attention_in(Tensor x, Tensor norm, float eps, str products, Tensor[] records, int[] features, "
+        "Tensor?[] biases, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("layer_out(Tensor x, Tensor attended, Tensor norm, float eps, str products, Tensor[] records, "
+        "int[] features, Tensor?[] biases) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triforce_layer, CPU, m) {
   m.impl("rotary_qk", &rotary_qk);
   m.impl("rms_norm", &rms_norm);
+  m.impl("attention_in", &attention_in);
+  m.impl("layer_out", &layer_out);
 }
