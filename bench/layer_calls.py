@@ -4,10 +4,11 @@ layer's small steps as one call each (model/layer_ops.py: the rotation, the floa
 `cache_attend`: the cache write and attention) against torch's ops for them; `--switch eager_steps`:
 each layer's kernels chosen once per model (model/eager_steps.py) against the modules choosing per call;
 `--switch fused_layers`: a layer as two calls around its attention (model/fused_layers.py) against its
-bound steps called one by one. SmolLM2 on its stored blocks; the KV cache is filled with random values to the context
+bound steps called one by one; `--switch fused_stack`: every layer of a pass in one call
+(fused_layers.stack) against the layers' two calls each. SmolLM2 on its stored blocks; the KV cache is filled with random values to the context
 (attention's cost does not depend on them), then each timed run decodes --tokens greedy steps from it.
 
-    python -m bench.layer_calls [--switch layer_ops|eager_steps|fused_layers --contexts 4096,16384 --dtypes f32,bf16 --threads 1]
+    python -m bench.layer_calls [--switch layer_ops|eager_steps|fused_layers|fused_stack --contexts 4096,16384 --dtypes f32,bf16 --threads 1]
 
 f32 is what an avx2-only CPU runs (float32 on the stored blocks, a float16 cache; set
 ATEN_CPU_CAPABILITY=avx2 to emulate one), bf16 what a CPU with avx512_bf16 runs.
@@ -31,7 +32,9 @@ from triforce.model.loader import load_model
 from triforce.speculative.caches import FullCache
 
 DTYPES = {"f32": (torch.float32, torch.float16), "bf16": (torch.bfloat16, None)}  # compute, KV (None: the same)
-SWITCHES = {"layer_ops": layer_ops, "eager_steps": eager_steps, "fused_layers": fused_layers}  # modules with an `enabled` flag
+# each switch: a module's flag
+SWITCHES = {"layer_ops": (layer_ops, "enabled"), "eager_steps": (eager_steps, "enabled"),
+            "fused_layers": (fused_layers, "enabled"), "fused_stack": (fused_layers, "stack_enabled")}
 
 
 def say(text: str) -> None:
@@ -55,7 +58,7 @@ def ops_per_token(model, cache, context: int) -> int:
 
 
 def run(model, context: int, args) -> dict:
-    switch = SWITCHES[args.switch]
+    module, flag = SWITCHES[args.switch]
     cache = FullCache(model.kv_shape(), context + args.tokens + 8)
     g = torch.Generator().manual_seed(0)
     for buffer in (cache.k, cache.v):
@@ -65,18 +68,18 @@ def run(model, context: int, args) -> dict:
     tokens, ops = {}, {}
     with torch.inference_mode():
         for on in (True, False):  # warm-up, tokens and op counts
-            switch.enabled = on
+            setattr(module, flag, on)
             tokens[on] = decode(model, cache, context, args.tokens)
             ops[on] = ops_per_token(model, cache, context)
         for r in range(args.rounds):
             for on in (r % 2 == 0, r % 2 == 1):
-                switch.enabled = on
+                setattr(module, flag, on)
                 start = time.perf_counter()
                 decode(model, cache, context, args.tokens)
                 times[on].append((time.perf_counter() - start) / args.tokens * 1e3)
             say(f"  {context}: round {r + 1}/{args.rounds}: {args.switch} on {times[True][-1]:.2f}, "
                 f"off {times[False][-1]:.2f} ms/token")
-    switch.enabled = True
+    setattr(module, flag, True)
     on_ms, off_ms = statistics.median(times[True]), statistics.median(times[False])
     return {"context": context, "ms_per_token_on": on_ms, "ms_per_token_off": off_ms, "speedup": off_ms / on_ms,
             "ops_per_token_on": ops[True], "ops_per_token_off": ops[False], "tokens_equal": tokens[True] == tokens[False],

@@ -9,7 +9,8 @@ from triforce.model import eager_steps
 from triforce.model.gguf_loader import load_gguf_model
 from triforce.model.kv_dtype import use_kv_dtype
 from triforce.model.quant import int8_twin
-from triforce.speculative.caches import FullCache
+from triforce.speculative.caches import FullCache, StreamingCache
+from triforce.speculative.retrieval import RetrievalCache
 
 from ..conftest import hf_config
 from .test_stored import Q4K_CFG, Q6K_STAND_INS, write_tiny_gguf
@@ -65,6 +66,7 @@ def test_fused_layers_give_the_bound_steps_bits(ggufs, monkeypatch, T):
     model = load_gguf_model(ggufs / "llama.gguf", torch.float32, stored=True)
     use_kv_dtype(model, torch.float16)
     tokens = torch.randint(0, 48, (T,), generator=torch.Generator().manual_seed(T))
+    monkeypatch.setattr(fused_layers, "stack_enabled", False)  # the layers one by one (the stack: below)
     calls, attention_in = [], layer_ops.attention_in
     monkeypatch.setattr(layer_ops, "attention_in", lambda *a: calls.append(1) or attention_in(*a))
     fused = logits(model, tokens, True)
@@ -72,6 +74,65 @@ def test_fused_layers_give_the_bound_steps_bits(ggufs, monkeypatch, T):
     monkeypatch.setattr(fused_layers, "enabled", False)
     assert torch.equal(fused, logits(model, tokens, True))
     assert len(calls) == len(model.layers)
+
+
+CACHES = {
+    "full": lambda model: FullCache(model.kv_shape(), 128),
+    "streaming": lambda model: StreamingCache(model.kv_shape(), model.rotary, sinks=4, window=48, slack=16),
+    "retrieval": lambda model: RetrievalCache(model.kv_shape(), budget=16, chunk_size=8, scratch=64),
+}
+
+
+@pytest.mark.parametrize("cache_kind", list(CACHES))
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, None])
+@pytest.mark.parametrize("T", [1, 7])
+def test_a_stack_gives_the_layers_bits_one_call_a_pass(ggufs, monkeypatch, cache_kind, kv_dtype, T):
+    """Every layer of a float32 pass in one call (fused_layers.stack, over any cache of plain slots):
+    the logits, the cache's keys and values, and a full cache's kept queries of the layers called
+    one by one; one call a pass, none into the layers' Python."""
+    from triforce.model import fused_layers, layer_ops
+    from triforce.speculative.caches import SlotCache
+
+    model = load_gguf_model(ggufs / "llama.gguf", torch.float32, stored=True)
+    use_kv_dtype(model, kv_dtype)
+    tokens = torch.randint(0, 48, (T,), generator=torch.Generator().manual_seed(T))
+    stacked, layer_calls = [], []
+    run_stack, attention_in = SlotCache.run_stack, layer_ops.attention_in
+    monkeypatch.setattr(SlotCache, "run_stack", lambda self, *a: stacked.append(run_stack(self, *a)) or stacked[-1])
+    monkeypatch.setattr(layer_ops, "attention_in", lambda *a: layer_calls.append(1) or attention_in(*a))
+
+    def pass_of(stack_on: bool):
+        monkeypatch.setattr(fused_layers, "stack_enabled", stack_on)
+        cache = CACHES[cache_kind](model)
+        with torch.inference_mode():
+            model(torch.arange(PREFIX) % 48, cache)  # more rows than a bound pass: the modules
+            return model(tokens, cache), cache
+
+    (logits_stacked, stacked_cache), (logits_layers, layers_cache) = pass_of(True), pass_of(False)
+    assert len(stacked) == 1 and stacked[0] is not None and len(layer_calls) == len(model.layers)
+    assert torch.equal(logits_stacked, logits_layers)
+    assert torch.equal(stacked_cache.k, layers_cache.k) and torch.equal(stacked_cache.v, layers_cache.v)
+    if cache_kind == "full":
+        assert all(torch.equal(a, b) for a, b in zip(stacked_cache.queries, layers_cache.queries, strict=True))
+
+
+def test_a_stack_leaves_a_cache_it_does_not_suit_to_the_layers(ggufs, monkeypatch):
+    """A cache whose attention takes another route for these rows (keys in tiles; a dtype the kernels
+    lack) runs the layers one by one: run_stack says so with None."""
+    from triforce.model import fused_layers
+
+    model = load_gguf_model(ggufs / "llama.gguf", torch.float32, stored=True)
+    x = torch.zeros(1, model.cfg.hidden_size)
+    stack = eager_steps.bound_stack(model, x)
+    assert stack is not None
+    cache = FullCache(model.kv_shape(), 64)
+    cos, sin = model.rotary.cos_sin(torch.tensor([0]), x.dtype)
+    for k, tiled in ((cache.k, True), (cache.k.double(), False)):
+        monkeypatch.setattr(cache, "k", k)
+        monkeypatch.setattr(cache, "tiled", tiled)
+        assert cache.run_stack(stack, x, cos, sin) is None
+    monkeypatch.setattr(fused_layers, "stack_enabled", False)
+    assert eager_steps.bound_stack(model, x) is None
 
 
 def test_layers_with_a_product_that_is_not_one_op_keep_their_steps(ggufs):
@@ -82,6 +143,7 @@ def test_layers_with_a_product_that_is_not_one_op_keep_their_steps(ggufs):
         model = load_gguf_model(ggufs / f"{arch}.gguf", dtype, stored=True)
         like = torch.zeros(eager_steps.MAX_ROWS, model.cfg.hidden_size, dtype=dtype)
         assert all(fused_layers.step(block, like) is None for block in model.layers), arch
+        assert fused_layers.stack(model.layers, like) is None
 
 
 class ModuleCalls:

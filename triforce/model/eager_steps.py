@@ -53,11 +53,25 @@ def bound_layers(model: nn.Module, x: torch.Tensor) -> list[Callable] | None:
     if (torch.compiler.is_compiling() or not enabled or x.device.type != "cpu" or x.shape[0] > MAX_ROWS
             or watched(model)):
         return None
+    return _plan(model, x)[0]
+
+
+def bound_stack(model: nn.Module, x: torch.Tensor):
+    """Every layer of a pass of x in one call (fused_layers.stack), or None: where bound_layers gives
+    None, or a layer is not two calls. The caller passes it to a cache that `runs_stack`."""
+    if bound_layers(model, x) is None:
+        return None
+    return _plan(model, x)[1]
+
+
+def _plan(model: nn.Module, x: torch.Tensor) -> tuple[list[Callable], object]:
     plans = _plans.setdefault(model, {})
-    key = (x.dtype, layer_ops.enabled, fused_layers.enabled)  # bench.layer_calls switches them between runs
+    # bench.layer_calls switches these between runs
+    key = (x.dtype, layer_ops.enabled, fused_layers.enabled, fused_layers.stack_enabled)
     if key not in plans:
         like = x.new_empty(MAX_ROWS, x.shape[-1])
-        plans[key] = [fused_layers.step(b, like) or layer_steps(b, like) for b in model.layers]
+        plans[key] = ([fused_layers.step(b, like) or layer_steps(b, like) for b in model.layers],
+                      fused_layers.stack(model.layers, like))
     return plans[key]
 
 

@@ -44,7 +44,9 @@ class KVShape:
 
 class Cache(Protocol):
     """The model protocol (above). `capacity` is the most tokens it can hold at once (slots), and
-    `max_feed` the most tokens one forward may add."""
+    `max_feed` the most tokens one forward may add. A cache may also offer `run_stack(stack, x, cos,
+    sin) -> x | None`, every layer of an eager CPU pass in one call (model/fused_layers.py), attending
+    exactly as `attend` would; the model then calls `attend` for no layer of that pass."""
 
     length: int
     max_feed: int

@@ -224,8 +224,13 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         layers = eager_steps.bound_layers(self, x)  # eager CPU passes of a few rows: kernels chosen once
-        for i, layer in enumerate(self.layers if layers is None else layers):
-            x = layer(x, cos, sin, cache, i)
+        stack = eager_steps.bound_stack(self, x) if layers is not None and hasattr(cache, "run_stack") else None
+        stacked = None if stack is None else cache.run_stack(stack, x, cos, sin)  # every layer in one call
+        if stacked is not None:
+            x = stacked
+        else:
+            for i, layer in enumerate(self.layers if layers is None else layers):
+                x = layer(x, cos, sin, cache, i)
         cache.end(T)
         if last_only:
             x = x[-1:]

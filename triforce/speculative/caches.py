@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from triforce.model import key_tiles
+from triforce.model import fused_layers, key_tiles
 from triforce.model.attention import store_and_attend
 from triforce.model.errors import UserError
 from triforce.model.kv import KVShape
@@ -34,6 +34,18 @@ class SlotCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return store_and_attend(q, k, v, self.k, self.v, layer, self.used, self.tiled)
+
+    def run_stack(self, stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """x through every layer in one call (model/fused_layers.py's stack), attending as `attend`
+        would, or None where `attend` takes another route for these rows."""
+        if not fused_layers.runs_stack(self.k, self.tiled):
+            return None
+        x, queries = fused_layers.run_stack(stack, x, cos, sin, self.k, self.v, self.used)
+        self._attended(queries)
+        return x
+
+    def _attended(self, queries: list[torch.Tensor]) -> None:
+        """Each layer's queries of a pass through run_stack (a full cache keeps them)."""
 
     def end(self, T: int) -> None:
         self.used += T
@@ -66,6 +78,9 @@ class FullCache(SlotCache):
     def attend(self, layer, q, k, v):
         self.queries[layer] = q  # kept for retrieval scoring; (T, Hq, D), rotated
         return super().attend(layer, q, k, v)
+
+    def _attended(self, queries):
+        self.queries = list(queries)
 
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)

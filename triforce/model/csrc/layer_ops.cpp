@@ -160,27 +160,127 @@ at::Tensor apply(const std::vector<Product>& ops, size_t i, const at::Tensor& x,
 }
 
 // rms_norm, the fused q/k/v product, q and k rotated -> (q, k, v (T, kv_heads, D), a view of the product)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_in(
-    const at::Tensor& x, const at::Tensor& norm, double eps, const std::string& names, at::TensorList records,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_in_with(
+    const std::vector<Product>& ops, const at::Tensor& x, const at::Tensor& norm, double eps, at::TensorList records,
     at::IntArrayRef features, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
     const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
-  auto qkv = apply(products_named(names), 0, rms_norm(x, norm, eps), records, features, biases);
+  auto qkv = apply(ops, 0, rms_norm(x, norm, eps), records, features, biases);
   auto [q, k] = rotary_qk(qkv, cos, sin, heads, kv_heads);
   int64_t T = qkv.size(0), D = cos.size(-1);
   return {q, k, qkv.slice(1, (heads + kv_heads) * D).view({T, kv_heads, D})};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_in(
+    const at::Tensor& x, const at::Tensor& norm, double eps, const std::string& names, at::TensorList records,
+    at::IntArrayRef features, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+  return attention_in_with(products_named(names), x, norm, eps, records, features, biases, cos, sin, heads, kv_heads);
+}
+
 // h = x + o(attended); h + down(silu(gate) * up) of rms_norm(h), gate and up the fused product's halves;
 // the products in the order o, gate/up, down
-at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& norm, double eps,
-                     const std::string& names, at::TensorList records, at::IntArrayRef features,
-                     const c10::List<std::optional<at::Tensor>>& biases) {
-  const auto& ops = products_named(names);
+at::Tensor layer_out_with(const std::vector<Product>& ops, const at::Tensor& x, const at::Tensor& attended,
+                          const at::Tensor& norm, double eps, at::TensorList records, at::IntArrayRef features,
+                          const c10::List<std::optional<at::Tensor>>& biases) {
   auto h = x + apply(ops, 0, attended, records, features, biases);
   auto both = apply(ops, 1, rms_norm(h, norm, eps), records, features, biases);
   int64_t intermediate = features[1] / 2;
   auto gated = at::silu(both.slice(-1, 0, intermediate)) * both.slice(-1, intermediate);
   return h + apply(ops, 2, gated, records, features, biases);
+}
+
+at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& norm, double eps,
+                     const std::string& names, at::TensorList records, at::IntArrayRef features,
+                     const c10::List<std::optional<at::Tensor>>& biases) {
+  return layer_out_with(products_named(names), x, attended, norm, eps, records, features, biases);
+}
+
+// ======== every layer of a pass in one call ========
+
+// With each layer two calls around its attention, a pass still crossed from Python into C++ three
+// times a layer (the attention through the cache's Python), and every crossing paid argument
+// conversion, the dispatcher's boxed call and autograd's fallback, and each ATen call inside it the
+// autograd and view-tracking layers again: about 5 ms of a 15 ms SmolLM2 float32 pass at 256 cached
+// tokens. A Stack holds a model's layers (their records, norms, biases and product ops) once; its
+// forward runs them all, with the attention's cache write and kernel (triforce_decode_f32::cache_attend,
+// the call the cache makes for these rows) in between, below autograd (a pass computes, never records).
+// The same kernels in the same order as the layer-by-layer calls, so the same bits.
+using CacheAttend = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        at::Tensor, at::Tensor, int64_t, int64_t, double)>;
+
+struct Stack : torch::CustomClassHolder {
+  struct Layer {
+    const std::vector<Product>* into;  // the q/k/v product
+    const std::vector<Product>* out;   // o, gate/up, down
+    std::vector<at::Tensor> into_records, out_records;
+    std::vector<int64_t> into_features, out_features;
+    c10::List<std::optional<at::Tensor>> into_biases, out_biases;
+    at::Tensor first_norm, second_norm;
+    double first_eps, second_eps;
+  };
+  std::vector<Layer> layers;
+  int64_t heads, kv_heads;
+  double scale;
+  CacheAttend attend;
+
+  // per layer i: into_names[i] the q/k/v product's op, out_names[i] the other three's (comma-separated);
+  // records, features and biases 4 a layer in that order; norms and eps 2 a layer (attention's, mlp's)
+  Stack(c10::List<std::string> into_names, c10::List<std::string> out_names, c10::List<at::Tensor> records,
+        c10::List<int64_t> features, c10::List<std::optional<at::Tensor>> biases, c10::List<at::Tensor> norms,
+        c10::List<double> eps, int64_t heads, int64_t kv_heads, double scale)
+      : heads(heads), kv_heads(kv_heads), scale(scale),
+        attend(c10::Dispatcher::singleton().findSchemaOrThrow("triforce_decode_f32::cache_attend", "")
+                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
+                                     int64_t, int64_t, double)>()) {
+    size_t L = into_names.size();
+    TORCH_CHECK(out_names.size() == L && records.size() == 4 * L && features.size() == 4 * L &&
+                biases.size() == 4 * L && norms.size() == 2 * L && eps.size() == 2 * L,
+                "a name pair a layer, records, features and biases 4 a layer, norms and eps 2 a layer");
+    for (size_t i = 0; i < L; ++i) {
+      Layer layer;
+      layer.into = &products_named(into_names.get(i));
+      layer.out = &products_named(out_names.get(i));
+      TORCH_CHECK(layer.into->size() == 1 && layer.out->size() == 3, "1 product before the attention, 3 after");
+      for (size_t j = 0; j < 4; ++j) {
+        (j == 0 ? layer.into_records : layer.out_records).push_back(records.get(4 * i + j));
+        (j == 0 ? layer.into_features : layer.out_features).push_back(features.get(4 * i + j));
+        (j == 0 ? layer.into_biases : layer.out_biases).push_back(biases.get(4 * i + j));
+      }
+      layer.first_norm = norms.get(2 * i);
+      layer.second_norm = norms.get(2 * i + 1);
+      layer.first_eps = eps.get(2 * i);
+      layer.second_eps = eps.get(2 * i + 1);
+      layers.push_back(std::move(layer));
+    }
+  }
+
+  // x (T, hidden) through every layer, the new keys and values into cache_k/cache_v (layers, kv_heads,
+  // slots, D) at slots [start, start + T) -> (x, each layer's rotated queries (T, heads, D))
+  std::tuple<at::Tensor, c10::List<at::Tensor>> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                                        const at::Tensor& cache_k, const at::Tensor& cache_v,
+                                                        int64_t start) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    c10::List<at::Tensor> queries;
+    queries.reserve(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& l = layers[i];
+      auto [q, k, v] = attention_in_with(*l.into, x, l.first_norm, l.first_eps, l.into_records, l.into_features,
+                                         l.into_biases, cos, sin, heads, kv_heads);
+      auto attended = attend.call(q, k, v, cache_k, cache_v, int64_t(i), start, scale);
+      x = layer_out_with(*l.out, x, attended, l.second_norm, l.second_eps, l.out_records, l.out_features,
+                         l.out_biases);
+      queries.push_back(q);
+    }
+    return {x, queries};
+  }
+};
+
+// the stack's forward as an op: one op to the dispatcher (a profiler or an op counter sees the pass's
+// layers as one call, as it sees each layer's two), the ATen calls inside it unseen
+std::tuple<at::Tensor, c10::List<at::Tensor>> run_stack(const c10::intrusive_ptr<Stack>& stack, const at::Tensor& x,
+                                                        const at::Tensor& cos, const at::Tensor& sin,
+                                                        at::Tensor cache_k, at::Tensor cache_v, int64_t start) {
+  return stack->forward(x, cos, sin, cache_k, cache_v, start);
 }
 
 }  // namespace
@@ -193,6 +293,13 @@ TORCH_LIBRARY(triforce_layer, m) {
         "Tensor?[] biases, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("layer_out(Tensor x, Tensor attended, Tensor norm, float eps, str products, Tensor[] records, "
         "int[] features, Tensor?[] biases) -> Tensor");
+  m.class_<Stack>("Stack")
+      .def(torch::init<c10::List<std::string>, c10::List<std::string>, c10::List<at::Tensor>, c10::List<int64_t>,
+                       c10::List<std::optional<at::Tensor>>, c10::List<at::Tensor>, c10::List<double>, int64_t,
+                       int64_t, double>())
+      .def("forward", &Stack::forward);
+  m.def("run_stack(__torch__.torch.classes.triforce_layer.Stack stack, Tensor x, Tensor cos, Tensor sin, "
+        "Tensor(a!) cache_k, Tensor(b!) cache_v, int start) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(triforce_layer, CPU, m) {
@@ -200,4 +307,5 @@ TORCH_LIBRARY_IMPL(triforce_layer, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("attention_in", &attention_in);
   m.impl("layer_out", &layer_out);
+  m.impl("run_stack", &run_stack);
 }
