@@ -96,8 +96,8 @@ def test_tokenizer_loads_as_autotokenizer_does(tmp_path, monkeypatch):
     auto = []
     original = transformers.AutoTokenizer.from_pretrained
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: auto.append(a) or original(*a, **k))
-    got = load_tokenizer(tmp_path / "t")
-    assert not auto and type(got) is type(want)
+    got = load_tokenizer(tmp_path / "t")  # model/tokenizer.py's, over transformers' TokenizersBackend
+    assert type(got.full) is type(want) and not auto
     text = "t0 t5 t63 t1 t7 unknown"
     assert got(text)["input_ids"] == want(text)["input_ids"] and got.get_vocab() == want.get_vocab()
     assert got.all_special_ids == want.all_special_ids and got.eos_token_id == want.eos_token_id

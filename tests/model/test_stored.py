@@ -564,3 +564,32 @@ def test_bfloat16_auto_takes_the_block_kernels_without_timing(monkeypatch):
         assert gguf_loader.stored_kernel_pays(torch.bfloat16) is True
     finally:
         gguf_loader.stored_kernel_pays.cache_clear()
+
+
+def test_a_gguf_is_hashed_once_per_version_of_the_file(tiny_gguf, tmp_path, monkeypatch):
+    """The SHA-256 a prepared folder checks its GGUF against is remembered beside the GGUF with the
+    file's size, times and inode: the next start reads it, and any write to the file (even one that
+    keeps its size and puts its modification time back) hashes it again."""
+    import hashlib
+    import os
+    import shutil
+
+    from triforce.model import gguf_loader
+
+    path = tmp_path / "model.gguf"
+    shutil.copy(tiny_gguf[0], path)
+    hashed = []
+    original = gguf_loader._sha256_cached.__wrapped__
+    monkeypatch.setattr(gguf_loader, "_sha256_cached", lambda *a: hashed.append(a) or original(*a))
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert gguf_loader._sha256(path) == want and len(hashed) == 1
+    assert json.loads((tmp_path / "model.gguf.sha256.json").read_text())["sha256"] == want
+    assert gguf_loader._sha256(path) == want and len(hashed) == 1  # remembered: not hashed again
+    data, st = bytearray(path.read_bytes()), path.stat()
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same modification time
+    assert gguf_loader._sha256(path) == hashlib.sha256(bytes(data)).hexdigest() != want and len(hashed) == 2
+    (tmp_path / "model.gguf.sha256.json").write_text("{not json")  # a damaged record is hashed past
+    assert gguf_loader._sha256(path) == hashlib.sha256(bytes(data)).hexdigest() and len(hashed) == 3
+    assert not list(tmp_path.glob("*.part"))

@@ -127,9 +127,15 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
 
 
 def load_tokenizer(folder: str | Path):
-    """The checkpoint's tokenizer, offline."""
+    """The checkpoint's tokenizer, offline: where transformers' TokenizersBackend would serve tokenizer.json
+    as it stands, `tokenizer.Tokenizer`, which encodes and decodes without importing transformers."""
     import os
 
+    from .tokenizer import load_light
+
+    light = load_light(folder)
+    if light is not None:
+        return light
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         if _declares_tokenizers_backend(folder):

@@ -1,0 +1,133 @@
+"""A checkpoint's tokenizer without importing transformers where a run only encodes and decodes.
+
+transformers' import takes about a second of every start (1.0 s of 3.1 on the 2-core Xeon, after torch's
+2.0), and a generate run asks its tokenizer for two things: a prompt's ids without special tokens and
+the text of the ids it made. Both are the `tokenizers` library's own calls underneath transformers'
+TokenizersBackend, so for a folder that backend would load as tokenizer.json stands (the folders
+`triforce prepare` writes) this class makes those two calls on the `tokenizers` object itself and hands
+everything else (a chat template, special tokens added by a post-processor, `tok(text)`, the vocabulary)
+to transformers' tokenizer, loaded on first use. The same ids and text either way
+(tests/model/test_tokenizer.py compares them on every path this class serves).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# tokenizer_config.json keys that change nothing in the two calls served here, given that every special
+# token they name is already a special added token of tokenizer.json (checked). Any other key (a
+# pre-tokenizer option such as add_prefix_space, split_special_tokens, code of its own) leaves the folder
+# to transformers.
+_NEUTRAL_KEYS = {"backend", "tokenizer_class", "model_max_length", "is_local", "local_files_only",
+                 "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+                 "additional_special_tokens", "extra_special_tokens", "added_tokens_decoder",
+                 "add_bos_token", "add_eos_token", "chat_template", "clean_up_tokenization_spaces",
+                 "padding_side", "truncation_side", "model_input_names"}
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class Tokenizer:
+    """encode(text, add_special_tokens=False[, split_special_tokens]) and decode(ids, ...,
+    clean_up_tokenization_spaces=False) through `tokenizers`; every other use through transformers'
+    tokenizer of the same folder (`full`), which the first such use loads. From then on `full` serves
+    every call: a caller may change it (add special tokens, set a chat template), and its tokenizer is
+    then the one that knows."""
+
+    _OWN = ("backend", "folder", "_clean_up_spaces", "_full")
+
+    def __init__(self, backend, folder: Path, clean_up_spaces: bool):
+        for name, value in zip(self._OWN, (backend, folder, clean_up_spaces, None)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def full(self):
+        """transformers' tokenizer of this folder (imports transformers the first time)."""
+        if self._full is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from transformers import TokenizersBackend
+
+            object.__setattr__(self, "_full", TokenizersBackend.from_pretrained(str(self.folder)))
+        return self._full
+
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False, **kwargs) -> list[int]:
+        if add_special_tokens or kwargs or self._full is not None:  # a post-processor's tokens, truncation, tensors
+            return self.full.encode(text, add_special_tokens=add_special_tokens,
+                                    split_special_tokens=split_special_tokens, **kwargs)
+        # special-token strings in the text as plain text (True) or as their ids (False), as transformers
+        # sets the same flag before each call
+        self.backend.encode_special_tokens = split_special_tokens
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
+               **kwargs) -> str:
+        clean = self._clean_up_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        if clean or kwargs or self._full is not None:  # transformers' clean-up rules (it skips them for BPE)
+            return self.full.decode(ids, skip_special_tokens=skip_special_tokens,
+                                    clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids  # a tensor or an array of ids
+        return self.backend.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __call__(self, *args, **kwargs):
+        return self.full(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.full)
+
+    def __bool__(self) -> bool:  # `tokenizer or load(...)` must not load transformers to ask len()
+        return True
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # not found above: no lazy load for private names (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self.full, name)
+
+    def __setattr__(self, name: str, value) -> None:  # tok.chat_template = ...: transformers' tokenizer's
+        setattr(self.full, name, value)
+
+
+def load_light(folder: str | Path) -> Tokenizer | None:
+    """The folder's tokenizer as a `Tokenizer`, or None when transformers' TokenizersBackend would build
+    something other than tokenizer.json as it stands (then the caller loads transformers' tokenizer)."""
+    folder = Path(folder)
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text())
+        if not (isinstance(declared, dict) and declared.get("tokenizer_class") == "TokenizersBackend"
+                and set(declared) <= _NEUTRAL_KEYS):
+            return None  # before reading tokenizer.json: Qwen's is 7 MB
+        text = (folder / "tokenizer.json").read_text()
+        spec = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if not _specials_in_place(declared, spec):
+        return None
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        backend = Backend.from_str(text)
+    except Exception:  # the library's own parse error: transformers reports it in the caller's words
+        return None
+    backend.no_truncation()
+    backend.no_padding()
+    return Tokenizer(backend, folder, bool(declared.get("clean_up_tokenization_spaces", False)))
+
+
+def _specials_in_place(declared: dict, spec: dict) -> bool:
+    """Every special token tokenizer_config.json names is a special added token of tokenizer.json with the
+    same id, so transformers would add nor flag none (which would change splitting and skipping)."""
+    added = {t.get("content"): t for t in spec.get("added_tokens") or []}
+    named = [declared.get(key) for key in _SPECIAL_KEYS]
+    named += list(declared.get("additional_special_tokens") or [])
+    extra = declared.get("extra_special_tokens") or {}
+    named += list(extra.values() if isinstance(extra, dict) else extra)
+    for token in named:
+        content = token.get("content") if isinstance(token, dict) else token
+        if content is None:
+            continue
+        if not isinstance(content, str) or not added.get(content, {}).get("special"):
+            return False
+    for key, token in (declared.get("added_tokens_decoder") or {}).items():
+        entry = added.get(token.get("content")) if isinstance(token, dict) else None
+        if entry is None or str(entry.get("id")) != str(key) or bool(entry.get("special")) != bool(token.get("special")):
+            return False
+    return True
