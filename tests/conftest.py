@@ -57,6 +57,30 @@ def save_tokenizer(folder, vocab=64):
     fast.save_pretrained(folder)
 
 
+TEMPLATE = (  # ChatML, as SmolLM2 and Qwen write it
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_byte_level(folder: Path) -> None:
+    """A small byte-level BPE (SmolLM2's and Qwen's kind) with special tokens and a chat template, saved
+    the way `triforce prepare` saves a converted GGUF's tokenizer."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from transformers import TokenizersBackend
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([(Path(_ROOT) / "triforce" / "data" / "persuasion.txt").read_text()[:20_000]], trainer)
+    tok = TokenizersBackend(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """A saved tiny Llama (GQA 4/2 heads) with tokenizer, shared by tests that only read it."""

@@ -388,7 +388,7 @@ def test_chat_template_pieces(tiny_folder):
     assert fmt.turn_head == "<|im_start|>user\n" and fmt.turn_tail == "<|im_end|>\n<|im_start|>assistant\n"
     assert fmt.answer_end == "<|im_end|>\n"
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert end in chat_book.stop_ids(tok, fmt, str(tiny_folder))
+    assert end in chat_book.stop_ids(fmt, str(tiny_folder))
     assert fmt.closing([5, end]) == [] and fmt.closing([5, 6]) == [end]  # "\n" is no token here
     assert fmt.encode("t5 <|im_end|>")[-1] != end  # user text never becomes a control token
     assert not chat_book.ChatFormat(load_tokenizer(tiny_folder), "x").templated  # no template: plain

@@ -11,34 +11,33 @@ import pytest
 from triforce.model.loader import load_tokenizer
 from triforce.model.tokenizer import Tokenizer, load_light
 
-from ..conftest import save_tokenizer
+from ..conftest import save_byte_level, save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = ROOT / "models" / "smollm2-135m"
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # special-token strings inside text, several scripts, an emoji split across byte tokens, odd spacing
 TEXTS = ["It is a truth universally acknowledged, that a single man",
          "<|im_start|>user\nWho is Anne?<|im_end|>\n<|im_start|>assistant\n",
          "naïve café — Zürich 東京 🙂🙂 done", "  leading and  double  spaces\n\n\ttab <|endoftext|>", ""]
 
 
-def save_byte_level(folder: Path) -> None:
-    """A small byte-level BPE (SmolLM2's and Qwen's kind) with special tokens and a chat template, saved
-    the way `triforce prepare` saves a converted GGUF's tokenizer."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    from transformers import TokenizersBackend
+@pytest.fixture(scope="module", autouse=True)
+def own_cache(tmp_path_factory):
+    """Backends transformers built are kept under $XDG_CACHE_HOME (and this module's children see it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+        yield
 
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator([(ROOT / "triforce" / "data" / "persuasion.txt").read_text()[:20_000]], trainer)
-    tok = TokenizersBackend(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                            unk_token="<|endoftext|>", pad_token="<|im_end|>")
-    tok.chat_template = TEMPLATE
+
+def save_qwen2_class(folder: Path, source: Path) -> None:
+    """The byte-level BPE as Qwen2Tokenizer, a class that builds its pipeline in Python from vocab and
+    merges (tokenizer_config.json names it, as Qwen2.5's folders do)."""
+    from transformers import Qwen2Tokenizer
+
+    model = json.loads((source / "tokenizer.json").read_text())["model"]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+                         additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     tok.save_pretrained(folder)
 
 
@@ -47,7 +46,8 @@ def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("tokenizers")
     save_tokenizer(base / "word-level", vocab=64)
     save_byte_level(base / "byte-level")
-    made = {"word-level": base / "word-level", "byte-level": base / "byte-level"}
+    save_qwen2_class(base / "qwen2-class", base / "byte-level")
+    made = {"word-level": base / "word-level", "byte-level": base / "byte-level", "qwen2-class": base / "qwen2-class"}
     if SMOLLM2.is_dir():
         made["smollm2-135m"] = SMOLLM2
     return made
@@ -65,10 +65,14 @@ def texts_for(name: str) -> list[str]:
     return TEXTS + ([(ROOT / "triforce" / "data" / "persuasion.txt").read_text()] if name == "smollm2-135m" else [])
 
 
-@pytest.mark.parametrize("name", ["word-level", "byte-level", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["word-level", "byte-level", "smollm2-135m", "qwen2-class"])
 def test_the_same_ids_and_text_as_transformers(folders, name):
+    """tokenizer.json as it stands, or (qwen2-class) the backend transformers built at the first load."""
     if name not in folders:
         pytest.skip("models/smollm2-135m missing: run triforce-prepare")
+    if name == "qwen2-class":
+        first = load_tokenizer(folders[name])
+        assert not isinstance(first, Tokenizer) and load_light(folders[name]) is None
     tok, want = load_tokenizer(folders[name]), transformers_tokenizer(folders[name])
     assert isinstance(tok, Tokenizer) and tok._full is None
     for text in texts_for(name):
@@ -106,7 +110,8 @@ def test_everything_else_is_transformers_tokenizer(folders):
 
 def test_folders_transformers_would_change_load_transformers_tokenizer(folders, tmp_path):
     """A tokenizer_config.json that makes transformers build something other than tokenizer.json as it
-    stands (a pre-tokenizer option; a special token tokenizer.json does not flag) gets transformers'."""
+    stands (a pre-tokenizer option; a special token tokenizer.json does not flag) gets transformers' on
+    the first load, and the backend transformers built on the next: the same ids and text."""
     import shutil
 
     for change in ({"add_prefix_space": True}, {"eos_token": "t9"}, {"tokenizer_class": "PreTrainedTokenizerFast"}):
@@ -116,8 +121,49 @@ def test_folders_transformers_would_change_load_transformers_tokenizer(folders, 
         config = folder / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), **change}))
         assert load_light(folder) is None, change
-        assert not isinstance(load_tokenizer(folder), Tokenizer)
+        want = load_tokenizer(folder)
+        assert not isinstance(want, Tokenizer)
+        tok = load_tokenizer(folder)
+        assert isinstance(tok, Tokenizer), change
+        for text in ("t0 t5 t9 t63 t1 unknown", " t9t9 t1", ""):
+            for split in (False, True):
+                ids = tok.encode(text, add_special_tokens=False, split_special_tokens=split)
+                assert ids == want.encode(text, add_special_tokens=False, split_special_tokens=split), (change, text)
+                for skip in (False, True):
+                    assert tok.decode(ids, skip_special_tokens=skip) == want.decode(ids, skip_special_tokens=skip)
+        assert tok._full is None
     assert load_light(tmp_path / "nowhere") is None
+
+
+def test_a_kept_backend_serves_only_the_files_it_was_built_from(folders, tmp_path):
+    """A changed tokenizer file, or a class that adds behaviour of its own, loads transformers' tokenizer."""
+    import shutil
+
+    from transformers import Qwen2Tokenizer
+
+    from triforce.model.tokenizer import remember, remembered_path
+
+    folder = tmp_path / "qwen2"
+    shutil.copytree(folders["qwen2-class"], folder)
+    load_tokenizer(folder)
+    assert isinstance(load_tokenizer(folder), Tokenizer)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token": "<|endoftext|>"}))
+    changed = load_tokenizer(folder)
+    assert not isinstance(changed, Tokenizer) and changed.eos_token == "<|endoftext|>"
+    assert isinstance(load_tokenizer(folder), Tokenizer)
+    remembered_path(folder).write_text('{"backend": "not a tokenizer", "clean_up_spaces": false}')
+    assert not isinstance(load_tokenizer(folder), Tokenizer)  # a kept file that does not read back
+
+    class OwnDecode(Qwen2Tokenizer):
+        def _decode(self, *args, **kwargs):
+            return "changed"
+
+    other = tmp_path / "own"
+    shutil.copytree(folders["qwen2-class"], other)
+    (other / "tokenizer_config.json").write_text(config.read_text().replace("<|endoftext|>", "<|im_start|>", 1))
+    remember(other, OwnDecode.from_pretrained(str(other)))
+    assert not remembered_path(other).exists()
 
 
 def test_a_run_encodes_and_decodes_without_importing_transformers(folders):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +23,7 @@ from . import stored_avx2, stored_bf16, stored_cache, stored_f32
 from .rope import Rotary
 from .stored import ByteCodesLinear, PackedLinear, StackedOutputs, _int4_kernels_available, concat_blocks, packed_from_blocks
 from .transformer import Linear, Transformer
+from .files import write_whole
 
 WEIGHTS = ("auto", "stored", "dequantized")
 MARKER = ".prepared.json"
@@ -72,12 +72,7 @@ def _sha256(path: Path) -> str:
     except (OSError, ValueError):
         pass
     digest = _sha256_cached(str(path), *stamp.values())
-    try:  # best effort (a read-only folder hashes every time); whole or absent, never half written
-        part = remembered.with_name(f"{remembered.name}.{os.getpid()}.part")
-        part.write_text(json.dumps({**stamp, "sha256": digest}))
-        os.replace(part, remembered)
-    except OSError:
-        part.unlink(missing_ok=True)
+    write_whole(remembered, json.dumps({**stamp, "sha256": digest}).encode())  # a read-only folder hashes every time
     return digest
 
 

@@ -128,12 +128,13 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
 
 def load_tokenizer(folder: str | Path):
     """The checkpoint's tokenizer, offline: where transformers' TokenizersBackend would serve tokenizer.json
-    as it stands, `tokenizer.Tokenizer`, which encodes and decodes without importing transformers."""
+    as it stands, or where an earlier start kept the backend transformers built for these files,
+    `tokenizer.Tokenizer`, which encodes and decodes without importing transformers."""
     import os
 
-    from .tokenizer import load_light
+    from .tokenizer import load_light, load_remembered, remember
 
-    light = load_light(folder)
+    light = load_light(folder) or load_remembered(folder)
     if light is not None:
         return light
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,13 +144,16 @@ def load_tokenizer(folder: str | Path):
             # the model's AutoConfig it loads first: 1.0 -> 0.1 s of every start
             from transformers import TokenizersBackend
 
-            return TokenizersBackend.from_pretrained(str(folder))
-        from transformers import AutoTokenizer
+            full = TokenizersBackend.from_pretrained(str(folder))
+        else:
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(folder))
+            full = AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # transformers raises many types for a broken folder
         raise UserError(f"cannot load the tokenizer from {folder} ({type(e).__name__}); the folder needs "
                         f"tokenizer.json/tokenizer_config.json") from None
+    remember(folder, full)
+    return full
 
 
 def _declares_tokenizers_backend(folder: str | Path) -> bool:

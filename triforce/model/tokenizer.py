@@ -11,9 +11,14 @@ to transformers' tokenizer, loaded on first use. The same ids and text either wa
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from importlib import metadata
 from pathlib import Path
+from types import FunctionType
+
+from .files import write_whole
 
 # tokenizer_config.json keys that change nothing in the two calls served here, given that every special
 # token they name is already a special added token of tokenizer.json (checked). Any other key (a
@@ -25,6 +30,9 @@ _NEUTRAL_KEYS = {"backend", "tokenizer_class", "model_max_length", "is_local", "
                  "add_bos_token", "add_eos_token", "chat_template", "clean_up_tokenization_spaces",
                  "padding_side", "truncation_side", "model_input_names"}
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# what a tokenizer folder's behaviour can depend on: a remembered backend is keyed by their bytes
+FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+         "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 class Tokenizer:
@@ -131,3 +139,82 @@ def _specials_in_place(declared: dict, spec: dict) -> bool:
         if entry is None or str(entry.get("id")) != str(key) or bool(entry.get("special")) != bool(token.get("special")):
             return False
     return True
+
+
+# ------------------------------------------------------------------------ backends transformers built
+# A folder whose tokenizer class builds its pipeline in Python (Qwen2Tokenizer, from vocab and merges)
+# costs transformers' import and that build on every start: 4.2 s for Qwen2.5-Coder on the 2-core Xeon,
+# where the `tokenizers` object it ends with reads back from its own serialization in 0.7 s. So once
+# transformers has built one, its backend is kept (`remember`) under the user's cache, keyed by the
+# bytes of the folder's tokenizer files and the versions of the libraries, and later starts serve the
+# two calls from it (`load_remembered`) as they do from tokenizer.json above. Only for classes that add
+# nothing to TokenizersBackend but their constructor: then transformers' own encode and decode are
+# TokenizersBackend's over that backend, which the `Tokenizer` class makes.
+
+def files_digest(folder: str | Path) -> str:
+    """sha256 over the folder's tokenizer files (names and bytes) and the versions of the libraries that
+    read them: ~25 ms for Qwen's 11 MB, remembered per version of the files within a process."""
+    folder = Path(folder)
+    stamp = []
+    for name in FILES:
+        try:
+            st = (folder / name).stat()
+        except OSError:
+            continue
+        stamp.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+    key = (str(folder.resolve()), tuple(stamp))
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        for name, *_ in stamp:
+            data = (folder / name).read_bytes()
+            h.update(f"{name}:{len(data)}:".encode())
+            h.update(data)
+        for library in ("tokenizers", "transformers", "jinja2"):
+            try:
+                h.update(f"{library}={metadata.version(library)};".encode())
+            except metadata.PackageNotFoundError:
+                h.update(f"{library}=none;".encode())
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict = {}
+
+
+def remembered_path(folder: str | Path) -> Path:
+    """Where a folder's built backend is kept: $XDG_CACHE_HOME/triforce/tokenizers (~/.cache by default)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return home / "triforce" / "tokenizers" / f"{files_digest(folder)[:40]}.json"
+
+
+def load_remembered(folder: str | Path) -> Tokenizer | None:
+    """The folder's tokenizer from the backend transformers built for these very files, or None."""
+    try:
+        record = json.loads(remembered_path(folder).read_text())
+        text, clean = record["backend"], record["clean_up_spaces"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        backend = Backend.from_str(text)
+    except Exception:  # a file cut short, or one an older `tokenizers` wrote
+        return None
+    backend.no_truncation()
+    backend.no_padding()
+    return Tokenizer(backend, Path(folder), bool(clean))
+
+
+def remember(folder: str | Path, full) -> None:
+    """Keep the backend of transformers' tokenizer `full`, just loaded from `folder`, for later starts,
+    where its class is TokenizersBackend or adds only a constructor to it. Best effort."""
+    from transformers import TokenizersBackend
+
+    if not isinstance(full, TokenizersBackend) or full.split_special_tokens:
+        return  # the Tokenizer class encodes with special-token strings as tokens unless asked
+    for cls in type(full).__mro__[:type(full).__mro__.index(TokenizersBackend)]:
+        if any(isinstance(v, (FunctionType, property, staticmethod, classmethod)) for name, v in vars(cls).items()
+               if name != "__init__"):
+            return  # a subclass of its own behaviour: transformers serves it
+    record = {"backend": full.backend_tokenizer.to_str(), "clean_up_spaces": bool(full.clean_up_tokenization_spaces)}
+    write_whole(remembered_path(folder), json.dumps(record, ensure_ascii=False).encode())

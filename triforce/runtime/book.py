@@ -22,6 +22,7 @@ from triforce.model.config import ModelConfig
 from triforce.model.errors import UserError
 from triforce.speculative import kvfile
 
+from .book_memo import BookMemo
 from .settings import Settings, context_positions
 from .text import read_text
 
@@ -73,9 +74,11 @@ class ChatFormat:
     book head/tail (the system message around the book), question head/tail (a user turn and the
     assistant header) and the answer end (what closes an assistant turn, e.g. <|im_end|>\\n)."""
 
-    def __init__(self, tokenizer, system: str):
+    def __init__(self, tokenizer, system: str, record: dict | None = None):
         self.tok = tokenizer
-        parts = _template_parts(tokenizer, system)
+        record = record or format_record(tokenizer, system)
+        parts = tuple(record["parts"]) if record["parts"] is not None else None
+        self.stops = frozenset(record["stops"])  # the tokenizer's EOS and the template's end-of-turn token
         self.templated = parts is not None
         head, self.book_tail, self.turn_head, self.turn_tail, self.answer_end = parts or PLAIN
         self.book_head = head.format(system=system) if parts is None else head
@@ -99,6 +102,18 @@ class ChatFormat:
         return end[1:] if end and answer and answer[-1] == end[0] else end
 
 
+def format_record(tok, system: str) -> dict:
+    """The chat template's pieces for this system prompt (None: no usable template) and the stop ids
+    the tokenizer names: its EOS, and the token that ends an assistant turn where that is special.
+    Plain data, so that a chat start can remember it (book_memo.py) and not render it again."""
+    parts = _template_parts(tok, system)
+    stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    end = tok.encode(parts[4] if parts else PLAIN[4], add_special_tokens=False)
+    if end and end[0] in tok.all_special_ids:
+        stops.append(end[0])
+    return {"parts": parts, "stops": stops}
+
+
 def _template_parts(tok, system: str):
     if not getattr(tok, "chat_template", None):
         return None
@@ -119,14 +134,11 @@ def _template_parts(tok, system: str):
     return head, tail, q_head, q_tail, c.split(MARKS["answer"])[1] or "\n"
 
 
-def stop_ids(tok, fmt: ChatFormat, model_dir: str) -> frozenset:
+def stop_ids(fmt: ChatFormat, model_dir: str) -> frozenset:
     """EOS, the template's end-of-turn token and generation_config.json's eos ids."""
     import json
 
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    end = fmt.markup(fmt.answer_end)
-    if end and end[0] in tok.all_special_ids:
-        ids.add(end[0])
+    ids = set(fmt.stops)
     try:
         eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -145,23 +157,25 @@ class Book:
     fmt: ChatFormat
 
 
-def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None) -> Book:
+def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None, memo: BookMemo | None = None) -> Book:
     kept = len(ids) if keep is None else min(keep, len(ids))
     system = SYSTEM.format(name=name) + (TRUNCATED.format(kept=kept) if kept < len(ids) else "")
-    fmt = ChatFormat(tok, system)
+    record = memo.record(system, lambda: format_record(tok, system)) if memo is not None else None
+    fmt = ChatFormat(tok, system, record)
     return Book(name, digest, len(ids), kept, fmt.book(ids[len(ids) - kept:]), fmt)
 
 
 def prepare_book(opts: ChatOptions, tok, report: Reporter, confirm: Callable[[str], bool] | None = None,
-                 text: str | None = None) -> Book:
+                 text: str | None = None, memo: BookMemo | None = None) -> Book:
     """Read (unless `text` is the book, already read), tokenize and wrap the book; tell the user its
     size and whether it fits. It is never cut silently: a book too long is an error naming
-    Settings.context, or, when `confirm` can ask the user (a terminal), a question."""
+    Settings.context, or, when `confirm` can ask the user (a terminal), a question. `memo`: the ids and
+    the template's pieces as the last start on these files computed them (book_memo.py)."""
     path, room = Path(opts.book), opts.room
     text = read_text(path, "book") if text is None else text
-    ids = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+    ids = memo.ids(text, book_ids(tok)) if memo is not None else book_ids(tok)(text)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    book = wrap_book(tok, path.name, digest, ids, opts.run.context)
+    book = wrap_book(tok, path.name, digest, ids, opts.run.context, memo)
     cfg = ModelConfig.from_folder(opts.run.model)
     limit = context_positions(cfg, opts.run.rope_scaling)
     cut = f", keeping the last {book.kept:,} (Settings.context)" if book.kept < book.tokens else ""
@@ -173,7 +187,7 @@ def prepare_book(opts: ChatOptions, tok, report: Reporter, confirm: Callable[[st
         report.note(f"fits {reach}, with {room:,} tokens for the conversation")
         return book
     # the system prompt's size once the book is cut (the cut adds a note saying so)
-    overhead = len(wrap_book(tok, path.name, digest, ids + [0], len(ids)).prompt) - len(ids)
+    overhead = len(wrap_book(tok, path.name, digest, ids + [0], len(ids), memo).prompt) - len(ids)
     fit = (limit - room - overhead) // 100 * 100
     problem = (f"{path.name} does not fit: {len(book.prompt):,} tokens plus {room:,} for the conversation "
                f"exceed the model's {limit:,}-token context")
@@ -181,13 +195,18 @@ def prepare_book(opts: ChatOptions, tok, report: Reporter, confirm: Callable[[st
         raise UserError(f"{problem}; lower ChatOptions.room")
     report.warn(f"{problem}.")
     if confirm and confirm(f"Keep only the last {fit:,} tokens of the book (Settings.context {fit})? [y/N] "):
-        book = wrap_book(tok, path.name, digest, ids, fit)
+        book = wrap_book(tok, path.name, digest, ids, fit, memo)
         report.note(f"keeping the last {book.kept:,} tokens of the book ({len(book.prompt):,} with the template); "
                     f"pass Settings.context {fit} to skip this question next time")
         return book
     stretch = {"none": "; or drop Settings.rope_scaling none (YaRN then stretches the positions)",
                "auto": ""}.get(opts.run.rope_scaling, "; or raise the Settings.rope_scaling factor")
     raise UserError(f"{problem}; rerun with Settings.context {fit} to keep the last {fit:,} tokens of the book{stretch}")
+
+
+def book_ids(tok) -> Callable[[str], list[int]]:
+    """A book's text -> its ids: special-token strings in it stay text (a book quoting "<|im_end|>")."""
+    return lambda text: tok.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 # ------------------------------------------------------------------------------ prefill or load
@@ -208,12 +227,17 @@ def cache_key(session, book: Book) -> dict:
             "prompt": hashlib.sha256(torch.tensor(book.prompt).numpy().tobytes()).hexdigest()}
 
 
+def cache_root(cache_dir: str | None) -> Path:
+    """Where saved books go: the setting, else ~/.cache/triforce-chat (XDG_CACHE_HOME honoured)."""
+    return Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce-chat").expanduser()
+
+
 def cache_path(cache_dir: str | None, book: Book, key: dict) -> Path:
-    root = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce-chat"
+    root = cache_root(cache_dir)
     digest = hashlib.sha256(kvfile.key_text(key).encode()).hexdigest()[:16]
     stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(book.name).stem)[:40]
     rank = f"-rank{key['tp'][0]}" if key["tp"][1] > 1 else ""
-    return Path(root).expanduser() / f"{stem}-{digest}{rank}.safetensors"
+    return root / f"{stem}-{digest}{rank}.safetensors"
 
 
 def saved_cache(opts: ChatOptions, session, book: Book) -> tuple[Path | None, dict | None]:

@@ -20,8 +20,9 @@ import torch
 from triforce.model.errors import UserError
 from triforce.speculative.stats import Stats
 
-from .book import (Book, ChatOptions, Reporter, choose_chat_model, load_or_prefill, prepare_book, reading_warning,
-                   saved_cache, stop_ids)
+from .book import (Book, ChatOptions, Reporter, book_ids, cache_root, choose_chat_model, load_or_prefill, prepare_book,
+                   reading_warning, saved_cache, stop_ids)
+from .book_memo import BookMemo
 from . import learned
 from .defaults import MODELS_DIR
 from .settings import generation_plan, with_sampling
@@ -144,14 +145,14 @@ def held_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
-def refer_lookups(gen, tok, text: str, report: Reporter) -> None:
+def refer_lookups(gen, tok, text: str, report: Reporter, memo: BookMemo | None = None) -> None:
     """Where the run looks drafts up, have it search the book with its line wraps undone too, beside
     the conversation: a quotation then matches across the book's line breaks (a book of 100K tokens
     tokenizes again in about a second)."""
     if gen.lookup is None:
         return
     flat, joined = unwrapped(text)
-    if joined and gen.refer_lookups_to(tok.encode(flat, add_special_tokens=False, split_special_tokens=True)):
+    if joined and gen.refer_lookups_to(memo.ids(flat, book_ids(tok)) if memo is not None else book_ids(tok)(flat)):
         report.note(f"lookups also search the book with its {joined:,} line wraps undone")
 
 
@@ -177,7 +178,9 @@ def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callab
     run = with_sampling(run, "checkpoint")  # the checkpoint's own settings: lossless, no penalties
     opts = replace(opts, run=run)
     tok = tokenizer or load_tokenizer(run.model)
-    book = prepare_book(opts, tok, report, confirm, text)
+    # the folder's own tokenizer, unchanged: what its files compute, a start on them computed before
+    memo = BookMemo(cache_root(opts.cache_dir), run.model) if tokenizer is None and not opts.no_cache else None
+    book = prepare_book(opts, tok, report, confirm, text, memo)
     warning = reading_warning(run.model, book.tokens)
     if warning:
         report.warn(warning)
@@ -192,9 +195,9 @@ def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callab
         session = open_session(sized, tok)
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(opts, session, gen, book, report)
-    refer_lookups(gen, tok, text, report)
+    refer_lookups(gen, tok, text, report, memo)
     cache_file, _ = saved_cache(opts, session, book)
-    chat = Chat(gen, tok, book, queries, stop_ids(tok, book.fmt, run.model), session,
+    chat = Chat(gen, tok, book, queries, stop_ids(book.fmt, run.model), session,
                 learned.state_path(cache_file) if cache_file is not None else None)
     if chat.relearned:
         report.note("starting from what the last chat on this book learned of each mode's speed")

@@ -11,8 +11,9 @@ chooser only picks which lossless mode runs each full pass.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from triforce.model.files import write_whole
 
 VERSION = 1
 
@@ -35,12 +36,7 @@ def save(path: Path, gen, threads: int) -> None:
     if gen.chooser is None:
         return
     data = {"fingerprint": fingerprint(gen, threads), "state": gen.chooser.state()}
-    partial = path.with_name(path.name + ".partial")
-    try:
-        partial.write_text(json.dumps(data))
-        os.replace(partial, path)  # a reader never sees half a file
-    except OSError:
-        pass
+    write_whole(path, json.dumps(data).encode())  # a reader never sees half a file
 
 
 def load(path: Path, gen, threads: int) -> bool:

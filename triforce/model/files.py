@@ -1,0 +1,26 @@
+"""Small files a start keeps for the next one (a digest, a tokenizer's backend, a chat's memo): written
+whole or not at all."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_whole(path: str | Path, data: bytes) -> bool:
+    """Write `data` to a temporary name beside `path` and rename it into place, so that a reader (another
+    rank, the next start after a crash) finds the whole file or none. Best effort: False where the folder
+    cannot be made or written (read-only, full, a file in the way), and the caller's work is only not
+    kept."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # no folder to hold it: nothing was written
+            pass
+        return False
