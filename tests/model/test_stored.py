@@ -509,6 +509,26 @@ def test_kv_dtype_rule():
         resolve_kv_dtype("int4", "cpu", torch.float32)
 
 
+def test_a_16_bit_cache_is_timed_only_where_our_kernels_do_not_read_it(monkeypatch):
+    """Where the float32 attention kernels read a 16-bit cache, it is chosen untimed; elsewhere (torch's
+    per-head widening) the timing decides, at the 1/0.85 bar."""
+    from triforce.model import decode_attention_f32, kv_dtype
+
+    kind = kv_dtype.sixteen_bit_kind()
+    timed = []
+
+    def speedup(value):
+        return lambda *args: timed.append(args) or value
+
+    monkeypatch.setattr(kv_dtype, "sixteen_bit_kv_speedup", speedup(0.5))
+    assert kv_dtype.kv_dtype_for("cpu", torch.float32) == (kind if decode_attention_f32.available() else torch.float32)
+    assert bool(timed) != decode_attention_f32.available()
+    monkeypatch.setattr(decode_attention_f32, "available", lambda: False)
+    for value, chosen in ((1.1, torch.float32), (1.5, kind)):
+        monkeypatch.setattr(kv_dtype, "sixteen_bit_kv_speedup", speedup(value))
+        assert kv_dtype.kv_dtype_for("cpu", torch.float32) == chosen
+
+
 def test_a_gguf_without_stored_types_loads_dense(tmp_path):
     """Matrices of a type the kernel does not take are dequantized (gguf's own dequantizer), and
     `auto` does not choose the stored path for a GGUF that is mostly such types."""

@@ -5,13 +5,24 @@ import os
 from triforce.runtime import defaults
 
 
-def scripted(monkeypatch, times, load=0.8, cores=2):
-    ticks = iter(times)
+def scripted(monkeypatch, times, load=0.8, cores=2, own=(0, 0), window=None):
+    """/proc/stat's (all, idle) ticks and this process's own ticks as given, in order; `window`: the
+    seconds since the busy window opened (None: none open, so the call samples by sleeping)."""
+    ticks, mine = iter(times), iter(own)
+    slept = []
     monkeypatch.setattr(defaults, "cpu_times", lambda: next(ticks))
-    monkeypatch.setattr(defaults.time, "sleep", lambda s: None)
+    monkeypatch.setattr(defaults, "own_ticks", lambda: next(mine))
+    monkeypatch.setattr(defaults.time, "sleep", slept.append)
+    monkeypatch.setattr(defaults, "_window", None)
+    clock = [100.0]
+    monkeypatch.setattr(defaults.time, "monotonic", lambda: clock[0])
+    if window is not None:
+        defaults.open_busy_window()
+        clock[0] += window
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    return slept
 
 
 def test_an_idle_machine_after_a_run_gets_every_core(monkeypatch):
@@ -29,8 +40,27 @@ def test_a_busy_machine_still_gets_one_thread(monkeypatch):
     assert defaults.auto_threads()[0] == 1
 
 
+def test_the_seconds_a_start_spends_loading_are_the_window(monkeypatch):
+    """Opened as the process started, the window spans its imports and loading: no sleep, and this
+    process's own CPU time in it is no other work's."""
+    slept = scripted(monkeypatch, [(1000, 400), (1400, 600)], own=(10, 210), window=2.0)
+    assert defaults.auto_threads() == (2, "auto: 2 cores, 0.0 busy")  # 200 of the 200 busy ticks ours
+    assert slept == [0.0]
+    slept = scripted(monkeypatch, [(1000, 400), (1400, 600)], own=(10, 10), window=2.0)
+    assert defaults.auto_threads() == (1, "auto: 2 cores, 1.0 busy")  # none ours: a core's worth of other work
+
+
+def test_a_window_too_young_waits_out_the_quarter_and_one_too_old_samples_afresh(monkeypatch):
+    slept = scripted(monkeypatch, [(1000, 400), (1050, 450)], own=(0, 0), window=0.1)
+    defaults.auto_threads()
+    assert len(slept) == 1 and abs(slept[0] - (defaults.BUSY_SAMPLE_SECONDS - 0.1)) < 1e-9
+    slept = scripted(monkeypatch, [(1000, 400), (1000, 400), (1050, 400)], own=(0, 0, 0), window=60)
+    assert defaults.auto_threads() == (1, "auto: 2 cores, 2.0 busy")  # the old window's (idle) ticks unread
+    assert slept == [defaults.BUSY_SAMPLE_SECONDS]
+
+
 def test_without_proc_stat_the_load_average_decides(monkeypatch):
-    scripted(monkeypatch, [None], load=1.2, cores=4)
+    scripted(monkeypatch, [None, None], load=1.2, cores=4)
     assert defaults.auto_threads() == (3, "auto: 4 cores, load 1.2")
 
 

@@ -39,6 +39,8 @@ DEFAULT_PROMPT_FILE = PACKAGE / "data" / "pride_and_prejudice_ch1-9.txt"
 
 
 BUSY_SAMPLE_SECONDS = 0.25  # long enough to average out a shell's blip, short beside loading a model
+# A window opened earlier than this says too little of what other work does now: sample afresh
+BUSY_WINDOW_MAX_SECONDS = 30.0
 
 
 def auto_threads(sample_seconds: float = BUSY_SAMPLE_SECONDS) -> tuple[int, str]:
@@ -56,18 +58,42 @@ def auto_threads(sample_seconds: float = BUSY_SAMPLE_SECONDS) -> tuple[int, str]
     return threads, f"auto: {cores} cores, {busy:.1f} busy"
 
 
+def open_busy_window() -> None:
+    """Start counting other work's CPU time now. The command-line entry points call it first thing (and
+    importing this module does), so that `busy_cores` reads the seconds a start spends importing torch
+    and loading over this process's own CPU time, instead of sleeping a quarter second of them away."""
+    global _window
+    times = cpu_times()
+    _window = None if times is None else (time.monotonic(), times, own_ticks())
+
+
 def busy_cores(seconds: float) -> float | None:
-    """How many of the machine's cores other work kept busy over the next `seconds` (this process
-    sleeps meanwhile): the non-idle share of /proc/stat's CPU time times the cores; None without it."""
-    first = cpu_times()
-    if first is None:
-        return None
-    time.sleep(seconds)
-    second = cpu_times()
-    if second is None or second[0] <= first[0]:
+    """How many of the machine's cores other work kept busy: /proc/stat's busy CPU time less this
+    process's own (and its finished children's), over the cores, since the window opened
+    (`open_busy_window`) if that was at least `seconds` and at most BUSY_WINDOW_MAX_SECONDS ago, else
+    over the next `seconds` (sleeping). Opens the next window. None without /proc/stat."""
+    global _window
+    age = time.monotonic() - _window[0] if _window is not None else None
+    if age is None or age > BUSY_WINDOW_MAX_SECONDS:
+        first, mine = cpu_times(), own_ticks()
+        time.sleep(seconds)
+    else:
+        _, first, mine = _window
+        time.sleep(max(seconds - age, 0.0))
+    second, now = cpu_times(), own_ticks()
+    _window = None if second is None else (time.monotonic(), second, now)  # the next call's window
+    mine = now - mine
+    if first is None or second is None or second[0] <= first[0]:
         return None
     total, idle = second[0] - first[0], second[1] - first[1]
-    return (os.cpu_count() or 1) * max(total - idle, 0) / total
+    return (os.cpu_count() or 1) * min(max(total - idle - mine, 0) / total, 1.0)
+
+
+def own_ticks() -> float:
+    """This process's CPU time (every thread, and children it has waited for: a kernel's compiler) in
+    /proc/stat's clock ticks."""
+    t = os.times()
+    return (t.user + t.system + t.children_user + t.children_system) * os.sysconf("SC_CLK_TCK")
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -78,6 +104,10 @@ def cpu_times() -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return sum(fields), fields[3] + fields[4]
+
+
+_window = None  # (monotonic seconds, cpu_times(), own_ticks()) where the busy window opened
+open_busy_window()
 
 
 def cpu_has_bf16() -> bool:
