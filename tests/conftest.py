@@ -1,7 +1,10 @@
 """Tiny random Llama-family checkpoints built in memory (no model hub), saved in HF format."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _ROOT = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 torch.set_num_threads(1)  # tiny models: thread wake-ups cost more than they save
+# what a run keeps for later runs (tokenizer backends transformers built) goes to this session's own
+# folder, which the programs tests start inherit: no test finds what an earlier run of the suite kept
+_CACHE = tempfile.mkdtemp(prefix="triforce-tests-cache-")
+os.environ["TRIFORCE_CACHE"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 
 def hf_config(model_type="llama", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, inter=48,

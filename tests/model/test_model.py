@@ -90,6 +90,7 @@ def test_tokenizer_loads_as_autotokenizer_does(tmp_path, monkeypatch):
 
     from triforce.model.loader import load_tokenizer
 
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "kept"))  # no backend kept by another test
     save_tokenizer(tmp_path / "t", vocab=64)
     save_tiny(tmp_path / "t", vocab=64)
     want = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "t"))
@@ -104,6 +105,8 @@ def test_tokenizer_loads_as_autotokenizer_does(tmp_path, monkeypatch):
     config = tmp_path / "t" / "tokenizer_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
     assert load_tokenizer(tmp_path / "t")(text)["input_ids"] == want(text)["input_ids"] and len(auto) == 1
+    again = load_tokenizer(tmp_path / "t")  # the backend AutoTokenizer built, kept: no AutoTokenizer
+    assert again.encode(text, add_special_tokens=False) == want.encode(text, add_special_tokens=False) and len(auto) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

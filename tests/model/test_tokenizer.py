@@ -23,9 +23,9 @@ TEXTS = ["It is a truth universally acknowledged, that a single man",
 
 @pytest.fixture(scope="module", autouse=True)
 def own_cache(tmp_path_factory):
-    """Backends transformers built are kept under $XDG_CACHE_HOME (and this module's children see it)."""
+    """Backends transformers built are kept under $TRIFORCE_CACHE (and this module's children see it)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+        patch.setenv("TRIFORCE_CACHE", str(tmp_path_factory.mktemp("kept")))
         yield
 
 

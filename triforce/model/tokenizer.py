@@ -182,9 +182,10 @@ _DIGESTS: dict = {}
 
 
 def remembered_path(folder: str | Path) -> Path:
-    """Where a folder's built backend is kept: $XDG_CACHE_HOME/triforce/tokenizers (~/.cache by default)."""
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
-    return home / "triforce" / "tokenizers" / f"{files_digest(folder)[:40]}.json"
+    """Where a folder's built backend is kept: $TRIFORCE_CACHE/tokenizers, by default
+    ~/.cache/triforce/tokenizers ($XDG_CACHE_HOME honoured)."""
+    home = os.environ.get("TRIFORCE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce"
+    return Path(home).expanduser() / "tokenizers" / f"{files_digest(folder)[:40]}.json"
 
 
 def load_remembered(folder: str | Path) -> Tokenizer | None:
