@@ -89,6 +89,14 @@ def save_byte_level(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
+def tiny_with_tokenizer(tmp_path_factory, name: str, seed: int) -> Path:
+    """A fresh folder holding a tiny Llama (2 layers, GQA 4/2 heads, 64 ids) and its word-level tokenizer."""
+    folder = tmp_path_factory.mktemp(name)
+    save_tiny(folder, seed=seed, vocab=64, layers=2, hidden=32, heads=4, kv_heads=2, inter=48)
+    save_tokenizer(folder, vocab=64)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """A saved tiny Llama (GQA 4/2 heads) with tokenizer, shared by tests that only read it."""

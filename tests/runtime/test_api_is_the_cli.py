@@ -10,7 +10,7 @@ import pytest
 
 import triforce
 
-from ..conftest import save_tiny, save_tokenizer
+from ..conftest import tiny_with_tokenizer
 from ..helpers import command
 
 PROMPT = " ".join(f"t{3 + (i * 7) % 60}" for i in range(300))
@@ -20,10 +20,7 @@ RESOLVED = ("dtype", "device", "threads", "threads_why", "temperature", "top_p",
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("api-cli")
-    save_tiny(folder, seed=11, vocab=64, layers=2, hidden=32, heads=4, kv_heads=2, inter=48)
-    save_tokenizer(folder, vocab=64)
-    return folder
+    return tiny_with_tokenizer(tmp_path_factory, "api-cli", seed=11)
 
 
 @pytest.mark.parametrize("flags", [{}, {"mode": "retrieval", "max_new_tokens": 12}, {"mode": "autoregressive"}],

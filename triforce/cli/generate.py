@@ -35,6 +35,11 @@ def parse_args(argv) -> GenerateOptions:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="a text file (a whole book is fine); default: an embedded book prefix")
+    p.add_argument("--prompt-cache", choices=("auto", "on", "off"), default="auto",
+                   help="keep the prefilled prompt on disk ($TRIFORCE_CACHE/prompts, by default "
+                        "~/.cache/triforce/prompts), and load it when the same prompt runs again with the "
+                        "same model and settings: auto (default) keeps a prompt whose prefill took 1 s or "
+                        "more, on every one, off neither keeps nor loads")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)

@@ -6,6 +6,13 @@ import os
 from pathlib import Path
 
 
+def cache_home() -> Path:
+    """Where runs keep what later runs reuse: $TRIFORCE_CACHE, else ~/.cache/triforce
+    ($XDG_CACHE_HOME honoured). The tests point it at a folder of their own."""
+    home = os.environ.get("TRIFORCE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce"
+    return Path(home).expanduser()
+
+
 def write_whole(path: str | Path, data: bytes) -> bool:
     """Write `data` to a temporary name beside `path` and rename it into place, so that a reader (another
     rank, the next start after a crash) finds the whole file or none. Best effort: False where the folder

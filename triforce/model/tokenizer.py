@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from types import FunctionType
 
-from .files import write_whole
+from .files import cache_home, write_whole
 
 # tokenizer_config.json keys that change nothing in the two calls served here, given that every special
 # token they name is already a special added token of tokenizer.json (checked). Any other key (a
@@ -184,8 +184,7 @@ _DIGESTS: dict = {}
 def remembered_path(folder: str | Path) -> Path:
     """Where a folder's built backend is kept: $TRIFORCE_CACHE/tokenizers, by default
     ~/.cache/triforce/tokenizers ($XDG_CACHE_HOME honoured)."""
-    home = os.environ.get("TRIFORCE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triforce"
-    return Path(home).expanduser() / "tokenizers" / f"{files_digest(folder)[:40]}.json"
+    return cache_home() / "tokenizers" / f"{files_digest(folder)[:40]}.json"
 
 
 def load_remembered(folder: str | Path) -> Tokenizer | None:

@@ -73,7 +73,8 @@ def generate(prompt: str | list[int] | None = None, *, prompt_file: str | Path |
     """Generate from a prompt (text, token ids or a file; none: the embedded job) with `settings`.
 
     on_tokens(tokens, levels): each batch of committed tokens and the level that proposed each;
-    on_text(piece): the text as it becomes final; on_prefill(n): n more prompt tokens processed."""
+    on_text(piece): the text as it becomes final; on_prefill(n): n more prompt tokens processed (not
+    called for a prompt loaded from the prompt cache: runtime/prompt_cache.py, Settings.prompt_cache)."""
     if prompt is not None and prompt_file is not None:
         raise ValueError("give a prompt or a prompt_file, not both")
     run = job_settings(make_settings(None, None, **settings), embedded=prompt is None and prompt_file is None)
@@ -93,13 +94,18 @@ def run_generation(session, on_tokens=None, on_text=None, on_prefill=None, watch
     levels its mode proposes with, prefill, generate. The command line's `generate` is this.
     `watch_prefill(model)`: a context manager around the prefill given the model it runs (the
     command line's bar watches its layers, to move within a long piece)."""
+    from . import prompt_cache
+
     cfg = session.plan_generation()
     session.load(modes=(session.run.mode,))
     gen = session.generator(cfg, max_len=len(session.prompt_ids) + session.run.max_new_tokens)
-    if on_prefill:
-        on_prefill(0)  # the prefill starts
-    with watch_prefill(gen.full.model) if watch_prefill else nullcontext():
-        gen.prefill(session.prompt_ids, progress=on_prefill)
+    session.prompt_cache = {"loaded": prompt_cache.restore(session, gen), "kept": None}
+    if session.prompt_cache["loaded"] is None:
+        if on_prefill:
+            on_prefill(0)  # the prefill starts
+        with watch_prefill(gen.full.model) if watch_prefill else nullcontext():
+            gen.prefill(session.prompt_ids, progress=on_prefill)
+        session.prompt_cache["kept"] = prompt_cache.keep(session, gen)
     stream = StreamingText(session.tokenizer)
 
     def committed(tokens, levels):

@@ -23,6 +23,7 @@ from triforce.model.errors import UserError
 from triforce.speculative import kvfile
 
 from .book_memo import BookMemo
+from .prompt_cache import ids_digest, run_key
 from .settings import Settings, context_positions
 from .text import read_text
 
@@ -211,20 +212,9 @@ def book_ids(tok) -> Callable[[str], list[int]]:
 
 # ------------------------------------------------------------------------------ prefill or load
 def cache_key(session, book: Book) -> dict:
-    """Everything the saved K/V depends on. The prompt ids cover book, --context, template and
-    tokenizer; the weights are identified by size and mtime (hashing gigabytes would cost more
-    than the prefill saves)."""
-    run = session.run
-    model = Path(run.model).resolve()
-    weights = sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model.glob("*.safetensors"))
-    dist = session.dist
-    return {"model": str(model), "config": kvfile.file_digest(model / "config.json"), "weights": weights,
-            "dtype": run.dtype, "device": torch.device(session.device).type, "torch": torch.__version__,
-            # the K/V differ with the weights computed with (stored blocks or dense) and the cache's dtype
-            "weights_format": session.weights["format"], "kv_dtype": str(session.kv_dtype),
-            "rope_scaling": session.config.rope_scaling, "prefill_chunk": run.prefill_chunk,
-            "tp": [dist.rank, dist.world_size] if dist else [0, 1], "book": book.digest, "context": book.kept,
-            "prompt": hashlib.sha256(torch.tensor(book.prompt).numpy().tobytes()).hexdigest()}
+    """Everything the saved K/V depend on: the run's (prompt_cache.run_key) and the book's. The
+    prompt ids cover book, --context, template and tokenizer."""
+    return run_key(session) | {"book": book.digest, "context": book.kept, "prompt": ids_digest(book.prompt)}
 
 
 def cache_root(cache_dir: str | None) -> Path:

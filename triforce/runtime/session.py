@@ -227,6 +227,8 @@ class Session:
             "model": run.model, "draft": None if run.mode in ("autoregressive", "retrieval") else self.draft,
             "prompt_tokens": stats.prompt_tokens, "new_tokens": len(tokens), "tokens": tokens, "text": text,
             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
+            # where the prompt's K/V came from: a kept file ("loaded"), or a prefill kept for later ("kept")
+            "prompt_cache": {k: v and str(v) for k, v in getattr(self, "prompt_cache", {}).items()} or None,
             "tokens_per_second": stats.tokens_per_second,
             "acceptance": {"draft": acc.get("draft->middle", acc.get("draft->verify")),
                            "lookup": acc.get("lookup->middle", acc.get("lookup->verify")),
@@ -274,6 +276,10 @@ class Session:
             ahead = cfg.queues_ahead(self.device)
             rows.append(("plain passes", ("the next queued before each token is read" if ahead else "one at a time")
                          + ((" (default on a GPU)" if ahead else " (default on CPU)") if run.queue_ahead is None else "")))
+        if getattr(self, "prompt_cache", None) is not None:
+            from .prompt_cache import describe
+
+            rows.append(("prompt cache", describe(self.prompt_cache, run.prompt_cache)))
         if cfg is not None:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else
                          f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))

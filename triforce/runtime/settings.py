@@ -64,6 +64,9 @@ class Settings:
     # adaptive, with a model drafter: also weigh drafts looked up in the text in its place; None: not on
     # a GPU with the target drafting for itself (SELF_DRAFT_GPU_LOOKUP), else yes
     lookup: bool | None = None
+    # generate and the Python API keep a prefilled prompt on disk, and the next run of the same prompt
+    # loads it instead of prefilling: auto (a prefill that took PROMPT_CACHE_SECONDS or more), on, off
+    prompt_cache: str = "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -297,6 +300,7 @@ def check_flags(run: Settings) -> None:
          f"Settings.weights '{run.weights}' is not one of auto, stored, dequantized"),
         (run.kv_dtype in ("auto", "same", "bfloat16", "float16", "float32"),
          f"Settings.kv_dtype '{run.kv_dtype}' is not one of auto, same, bfloat16, float16, float32"),
+        (run.prompt_cache in ("auto", "on", "off"), f"Settings.prompt_cache '{run.prompt_cache}' is not one of auto, on, off"),
     ]
     for ok, message in checks:
         if not ok:

@@ -78,6 +78,7 @@ class Generator:
         self.device = target.embed.weight.device
         self.stats = Stats()
         self.sampling = Sampling(cfg, self.device)
+        self.prompt_logits: torch.Tensor | None = None  # the prompt's last position, after prefill()
         # lookups: the drafter itself (--draft lookup), or weighed beside a model drafter (adaptive)
         beside = cfg.adaptive and cfg.lookup and models.lookup is None and modes_draft(mode)
         # (a copy of the models' own: a reference text, refer_lookups_to, belongs to this generator)
@@ -146,7 +147,7 @@ class Generator:
         return Prefilled(self.full.cache, prompt, self.context[-1], queries, self.stats.prefill_seconds)
 
     def resume(self, prompt: list[int], queries: list[torch.Tensor], first: int | None = None,
-               learned: bool = False) -> None:
+               learned: bool = False, logits: torch.Tensor | None = None) -> None:
         """Stand where prefill(prompt) left a generator, given a full cache that holds at least the
         prompt's K/V in its first len(prompt) slots (a snapshot's, one loaded from disk, or this
         generator's own after a conversation) and the last prompt token's rotated queries (Hq, D) per
@@ -154,11 +155,17 @@ class Generator:
         context ends with the prompt (as after truncate(len(prompt)): a chat's user turn comes next).
         Sampling restarts from the seed, and statistics and an adaptive chooser's figures start
         afresh, so what follows does not depend on where the prompt's cache came from; with `learned`
-        the chooser keeps what it learned (as a chat's later turns do: a benchmark of the steady state)."""
+        the chooser keeps what it learned (as a chat's later turns do: a benchmark of the steady state).
+        With `logits` (the prompt's last position, as prefill kept them in `prompt_logits`), the first
+        token is sampled from them right after the seed, so a run resumed from a saved prompt draws
+        what the same run after prefill(prompt) draws."""
         self.stats.phase = "prefill"  # the retrieval build and the drafter's window belong to prefill
         try:
             self.full.cache.rollback(len(prompt))
             self.full.cache.queries = [q[None] for q in queries]
+            self.sampling.generator.manual_seed(self.cfg.seed)
+            if logits is not None:
+                first = int(self.sampling.pick(logits.to(self.device))[0][0])
             context = list(prompt) + ([] if first is None else [first])
             if self.matches is not None:
                 self.matches.rollback(0)  # another text, perhaps: copied afresh (128K tokens: 4 ms)
@@ -166,7 +173,6 @@ class Generator:
             self.seq.put(0, self.context)
             self.full.adopt(len(prompt))
             self.committed = len(self.context)
-            self.sampling.generator.manual_seed(self.cfg.seed)
             if not (learned and self.chooser is not None):
                 self._new_chooser()  # an adaptive run learns afresh, as a new process would
             self.reset_stats()
@@ -254,6 +260,8 @@ class Generator:
         self.context.extend(tokens)
         try:
             logits = self.full.run(self.seq, len(self.context), 1, progress, one_off=True)
+            if first_prompt:  # what a saved prompt keeps to draw its first token again (runtime/prompt_cache.py)
+                self.prompt_logits = logits.detach().clone()
             token, _ = self.sampling.pick(logits)
             self.seq.write(len(self.context), token)
             first = int(token[0])

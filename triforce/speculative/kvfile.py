@@ -52,11 +52,15 @@ def last_queries(gen: Generator) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def save(path: str | Path, gen: Generator, prompt: list[int], queries: list[torch.Tensor], key: dict) -> int:
-    """Write the prompt's state atomically; returns the file size in bytes."""
+def save(path: str | Path, gen: Generator, prompt: list[int], queries: list[torch.Tensor], key: dict,
+         logits: torch.Tensor | None = None) -> int:
+    """Write the prompt's state atomically; returns the file size in bytes. With `logits` (the
+    prompt's last position), load_prompt can draw the first token again."""
     n = len(prompt)
     tensors = [("prompt", lambda: torch.tensor(prompt, dtype=torch.int64), (n,), torch.int64),
                ("queries", lambda: torch.stack(queries), (len(queries), *queries[0].shape), queries[0].dtype)]
+    if logits is not None:
+        tensors.append(("logits", lambda: logits, tuple(logits.shape), logits.dtype))
     return _write_atomic(Path(path), tensors + _kv_tensors(gen.full.cache, 0, n), key_text(key))
 
 
@@ -123,17 +127,27 @@ def load(path: str | Path, gen: Generator, key: dict, prompt: list[int]) -> list
     exactly what `key` and `prompt` describe. K/V are copied into the cache's slots while the
     checksum is computed (one pass, one layer in memory at a time); the cache's length becomes the
     prompt's only once every byte is checked."""
+    return _load(path, gen, key, prompt, with_logits=False)[0]
 
+
+def load_prompt(path: str | Path, gen: Generator, key: dict, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """load's queries, and the prompt's last logits from a file saved with them (else CacheInvalid):
+    `gen.resume(prompt, queries, logits=logits)` then stands where prefill(prompt) left it."""
+    return _load(path, gen, key, prompt, with_logits=True)
+
+
+def _load(path, gen: Generator, key: dict, prompt: list[int], with_logits: bool):
     def body(f, digest):
         if _read(f, "prompt", digest).tolist() != list(prompt):
             raise CacheInvalid("holds another prompt")
         queries = _read(f, "queries", digest)
+        logits = _read(f, "logits", digest) if with_logits else None  # in the order save() wrote them
         _read_kv(f, gen.full.cache, 0, len(prompt), digest)
-        return queries
+        return queries, logits
 
-    queries = _checked(path, key_text(key), body)
+    queries, logits = _checked(path, key_text(key), body)
     gen.full.cache.fill(len(prompt))
-    return [q.to(gen.device) for q in queries.unbind(0)]  # safetensors reads to the CPU
+    return [q.to(gen.device) for q in queries.unbind(0)], logits  # safetensors reads to the CPU
 
 
 def _checked(path: str | Path, key: str, body):

@@ -1,0 +1,162 @@
+"""A prefilled prompt kept on disk, so that the next run of the same prompt loads it instead of
+prefilling it again (`triforce generate` and the Python API; a chat keeps its book the same way).
+
+On a CPU the prefill is most of a run: the main job's 4,096 tokens take 10 of its 15 s on 2 cores,
+and a user who tries other settings on the same document pays it every time. The kept file is
+kvfile's (safetensors, checksummed, written atomically) with the prompt's last logits beside its
+K/V and last queries, so the resumed run draws its first token from them right after the seed and
+goes on exactly as after a prefill: the same tokens, greedy or sampled.
+
+- Where: $TRIFORCE_CACHE/prompts, by default ~/.cache/triforce/prompts (model/files.py cache_home).
+- Key: everything the K/V depend on (run_key: the model's files, dtype, weights' format, KV dtype,
+  RoPE scaling, prefill piece, device type, torch, the tensor-parallel rank) and the prompt's ids.
+  A file made for anything else, or corrupt, is never used: the run says so and prefills.
+- Which prompts: Settings.prompt_cache "auto" keeps a prompt whose prefill took PROMPT_CACHE_SECONDS
+  or more (a shorter one costs less to compute again than to keep), "on" every one, "off" none and
+  loads none.
+- How much: the folder stays within LIMIT_BYTES, the least recently used files removed first; no file
+  is written that would leave the disk less than RESERVE_BYTES.
+- Tensor parallelism: each rank keeps its own shard; a run loads only when every rank can, and keeps
+  when rank 0 decides to.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from triforce.model.files import cache_home
+from triforce.speculative import kvfile
+
+PROMPT_CACHE_SECONDS = 1.0
+LIMIT_BYTES = 16 << 30
+RESERVE_BYTES = 1 << 30
+
+
+def run_key(session) -> dict:
+    """What a prompt's K/V depend on besides its ids. The weights are identified by size and mtime
+    (hashing gigabytes would cost more than the prefill saves)."""
+    run = session.run
+    model = Path(run.model).resolve()
+    weights = sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model.glob("*.safetensors"))
+    dist = session.dist
+    return {"model": str(model), "config": kvfile.file_digest(model / "config.json"), "weights": weights,
+            "dtype": run.dtype, "device": torch.device(session.device).type, "torch": torch.__version__,
+            # the K/V differ with the weights computed with (stored blocks or dense) and the cache's dtype
+            "weights_format": session.weights["format"], "kv_dtype": str(session.kv_dtype),
+            "rope_scaling": session.config.rope_scaling, "prefill_chunk": run.prefill_chunk,
+            "tp": [dist.rank, dist.world_size] if dist else [0, 1]}
+
+
+def ids_digest(ids: list[int]) -> str:
+    return hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+def prompt_entry(session) -> tuple[Path, dict]:
+    """(file, key) of this session's prompt."""
+    key = run_key(session) | {"kind": "prompt", "prompt": ids_digest(session.prompt_ids)}
+    rank, world = key["tp"]
+    # the ranks' shards share a name, then say their rank (each file's own key holds it)
+    digest = hashlib.sha256(kvfile.key_text(dict(key, tp=world)).encode()).hexdigest()[:24]
+    return cache_home() / "prompts" / f"{digest}{f'-rank{rank}' if world > 1 else ''}.safetensors", key
+
+
+def restore(session, gen) -> Path | None:
+    """Stand `gen` where prefill(session.prompt_ids) would, from a kept file (its loading counted as
+    the prefill's time); the file, or None when the prompt must be prefilled."""
+    if session.run.prompt_cache == "off":
+        return None
+    path, key = prompt_entry(session)
+    start = time.perf_counter()
+    loaded = None
+    if path.exists():
+        try:
+            loaded = kvfile.load_prompt(path, gen, key, session.prompt_ids)
+        except kvfile.CacheInvalid as e:
+            _say(session, f"the kept prompt {path} {e}: prefilling it again")
+    if session.dist is not None and not session.dist.all_agree(loaded is not None):
+        if loaded is not None:  # another rank's file is unusable: all ranks prefill, in lockstep
+            gen.full.cache.rollback(0)
+        return None
+    if loaded is None:
+        return None
+    queries, logits = loaded
+    gen.resume(session.prompt_ids, queries, logits=logits)
+    gen.stats.prefill_seconds = time.perf_counter() - start
+    try:
+        os.utime(path)  # recently used: the last to be removed
+    except OSError:
+        pass
+    _say(session, f"loaded the prefilled prompt from {path} in {gen.stats.prefill_seconds:.1f} s "
+                  "(Settings.prompt_cache off: prefill it)")
+    return path
+
+
+def keep(session, gen) -> Path | None:
+    """After prefill(session.prompt_ids): write the prompt's state for the next run, if the setting
+    (and under tensor parallelism rank 0) says so and the disk has room; the file, or None."""
+    setting = session.run.prompt_cache
+    wanted = setting == "on" or setting == "auto" and gen.stats.prefill_seconds >= PROMPT_CACHE_SECONDS
+    if session.dist is not None:
+        wanted = bool(session.dist.follow_main(int(wanted)))
+    if not wanted or gen.prompt_logits is None:
+        return None
+    path, key = prompt_entry(session)
+    size = gen.full.cache.shape.bytes_per_token * len(session.prompt_ids)
+    if size > LIMIT_BYTES:
+        _say(session, f"not keeping the prefilled prompt: {_gib(size)} is over the prompt cache's {_gib(LIMIT_BYTES)}")
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_room(path.parent, LIMIT_BYTES - size)
+        if shutil.disk_usage(path.parent).free < size + RESERVE_BYTES:
+            _say(session, f"not keeping the prefilled prompt: {_gib(size)} would leave {path.parent} short of space")
+            return None
+        start = time.perf_counter()
+        kvfile.save(path, gen, session.prompt_ids, kvfile.last_queries(gen), key, logits=gen.prompt_logits)
+    except OSError as e:
+        _say(session, f"could not keep the prefilled prompt ({e}); the next run prefills it again")
+        return None
+    _say(session, f"kept the prefilled prompt in {path} ({_gib(size)}, {time.perf_counter() - start:.1f} s): "
+                  "the next run of this prompt skips its prefill (Settings.prompt_cache off: neither)")
+    return path
+
+
+def make_room(folder: Path, room: int) -> None:
+    """Remove kept prompts, least recently used first, until those left take at most `room` bytes."""
+    files = []
+    for f in folder.glob("*.safetensors"):
+        try:
+            files.append((f.stat().st_mtime, f.stat().st_size, f))
+        except OSError:  # removed meanwhile (another rank, another run)
+            pass
+    total = sum(size for _, size, _ in files)
+    for _, size, f in sorted(files):
+        if total <= room:
+            break
+        f.unlink(missing_ok=True)
+        total -= size
+
+
+def describe(cache: dict, setting: str) -> str:
+    """The statistics' line: where this run's prompt K/V came from, or why they were not kept."""
+    if cache["loaded"]:  # the file's name is in the note above the text; a table cell would cut it
+        return "loaded: a run before kept this prompt's prefill"
+    if cache["kept"]:
+        return "kept: the next run of this prompt skips its prefill"
+    if setting == "off":
+        return "off (--prompt-cache off)"
+    return f"not kept ({'--prompt-cache on, but it could not be written' if setting == 'on' else f'prefills under {PROMPT_CACHE_SECONDS:g} s are not'})"
+
+
+def _say(session, note: str) -> None:
+    if session.is_main:
+        session.say(note)
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
