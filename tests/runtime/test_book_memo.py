@@ -7,34 +7,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 
 from triforce.cli import chat
 from triforce.runtime import book_memo
 from triforce.runtime.book_memo import BookMemo
 from triforce.runtime.chat import open_chat
 
-from ..conftest import save_byte_level, save_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = "Who is Anne?"
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny model whose tokenizer is a byte-level BPE with ChatML (the kind SmolLM2 prepares)."""
-    made = tmp_path_factory.mktemp("memo-model")
-    save_tiny(made, seed=2, vocab=400, max_pos=8192)
-    save_byte_level(made)
-    return made
-
-
-@pytest.fixture(scope="module")
-def book(tmp_path_factory):
-    """A wrapped book (its unwrapped text differs, so lookups search a second list of ids)."""
-    path = tmp_path_factory.mktemp("memo-book") / "book.txt"
-    path.write_text((ROOT / "triforce" / "data" / "persuasion.txt").read_text()[30_000:34_000])
-    return path
 
 
 def options(folder: Path, book: Path, cache: Path, *extra: str):

@@ -28,15 +28,9 @@ def model(tmp_path_factory):
     return tiny_with_tokenizer(tmp_path_factory, "prompt-cache", seed=12)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    """This test's own prompt cache."""
-    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "prompts"
-
-
 def kept_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors")) if folder.exists() else []
+    """The kept prompts (not the drafter windows beside them: tests/runtime/test_drafter_window.py)."""
+    return sorted(f for f in folder.glob("*.safetensors") if ".window-" not in f.name) if folder.exists() else []
 
 
 @pytest.mark.parametrize("mode, sampling", [
@@ -169,6 +163,9 @@ def test_tensor_parallel_ranks_keep_and_load_their_shards(model, cache):
     stem = files[0].name.removesuffix("-rank0.safetensors")
     assert [f.name for f in files] == [f"{stem}-rank0.safetensors", f"{stem}-rank1.safetensors"]
     assert kept["kept"] == str(files[0])
+    windows = sorted(cache.glob("*.window-*.safetensors"))  # each rank's drafter window beside its shard
+    window = windows[0].name.removesuffix("-rank0.safetensors")
+    assert window.startswith(f"{stem}.window-") and [w.name for w in windows] == [f"{window}-rank{r}.safetensors" for r in (0, 1)]
     loaded_tokens, loaded = tokens_and_cache()
     assert loaded == {"loaded": str(files[0]), "kept": None} and loaded_tokens == kept_tokens
     files[1].unlink()

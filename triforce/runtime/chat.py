@@ -25,6 +25,7 @@ from .book import (Book, ChatOptions, Reporter, book_ids, cache_root, choose_cha
 from .book_memo import BookMemo
 from . import learned
 from .defaults import MODELS_DIR
+from .prompt_cache import keep_window, kept_window
 from .settings import generation_plan, with_sampling
 from .text import read_text, unwrapped
 
@@ -43,9 +44,11 @@ class Chat:
     """The conversation over a prefilled book: turns are appended to the generator's caches."""
 
     def __init__(self, gen, tokenizer, book: Book, queries, stops: frozenset, session=None,
-                 learned_file: Path | None = None):
+                 learned_file: Path | None = None, window: dict | None = None):
         """`learned_file`: where what the adaptive chooser learns is kept for the next start on this
-        book (runtime/learned.py); read here, rewritten after every answer."""
+        book (runtime/learned.py); read here, rewritten after every answer. `window`: the drafter's
+        StreamingLLM cache over the book (Generator.drafter_window), else computed here; a /reset
+        restores it instead of computing it again."""
         self.gen, self.tok, self.book, self.queries, self.stops = gen, tokenizer, book, queries, stops
         self.session, self.learned_file = session, learned_file
         self.threads = torch.get_num_threads()
@@ -55,7 +58,8 @@ class Chat:
         self.turns: list[Answer] = []  # the conversation the caches hold
         self.log: list[Answer | None] = []  # everything said, None marking a /reset (for /save)
         self.last: Answer | None = None
-        gen.resume(book.prompt, queries)
+        gen.resume(book.prompt, queries, window=window)
+        self.window = window or gen.drafter_window()
         self.relearned = learned_file is not None and learned.load(learned_file, gen, self.threads)
 
     def ask(self, question: str, on_tokens=None) -> Answer:
@@ -108,7 +112,7 @@ class Chat:
     def reset(self) -> None:
         """Back to the book alone: the conversation was only appended, so the book's K/V are intact."""
         with held_interrupts():  # what the chooser learned of this book and machine still holds
-            self.gen.resume(self.book.prompt, self.queries, learned=True)
+            self.gen.resume(self.book.prompt, self.queries, learned=True, window=self.window)
         self.turns = []
         self.log.append(None)
 
@@ -196,9 +200,14 @@ def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callab
     gen = session.generator(cfg, max_len=total)
     queries = load_or_prefill(opts, session, gen, book, report)
     refer_lookups(gen, tok, text, report, memo)
-    cache_file, _ = saved_cache(opts, session, book)
+    cache_file, key = saved_cache(opts, session, book)
+    # the drafter's window over the book: the prefill's, else kept beside the saved book (0.5-0.75 s of
+    # a SmolLM2 start to compute again), else computed by the Chat and kept there for the next start
+    window = gen.drafter_window() or (kept_window(session, cache_file, key) if cache_file is not None else None)
     chat = Chat(gen, tok, book, queries, stop_ids(book.fmt, run.model), session,
-                learned.state_path(cache_file) if cache_file is not None else None)
+                learned.state_path(cache_file) if cache_file is not None else None, window)
+    if cache_file is not None:
+        keep_window(session, chat.window, cache_file, key)
     if chat.relearned:
         report.note("starting from what the last chat on this book learned of each mode's speed")
     return chat

@@ -37,19 +37,31 @@ LIMIT_BYTES = 16 << 30
 RESERVE_BYTES = 1 << 30
 
 
-def run_key(session) -> dict:
-    """What a prompt's K/V depend on besides its ids. The weights are identified by size and mtime
-    (hashing gigabytes would cost more than the prefill saves)."""
-    run = session.run
-    model = Path(run.model).resolve()
+def folder_key(folder: str | Path) -> dict:
+    """A checkpoint folder as a key: its path, config.json's hash, and its weight files by size and
+    mtime (hashing gigabytes would cost more than the prefill saves)."""
+    model = Path(folder).resolve()
     weights = sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model.glob("*.safetensors"))
+    return {"model": str(model), "config": kvfile.file_digest(model / "config.json"), "weights": weights}
+
+
+def run_key(session) -> dict:
+    """What a prompt's K/V depend on besides its ids."""
+    run = session.run
     dist = session.dist
-    return {"model": str(model), "config": kvfile.file_digest(model / "config.json"), "weights": weights,
+    return folder_key(run.model) | {
             "dtype": run.dtype, "device": torch.device(session.device).type, "torch": torch.__version__,
             # the K/V differ with the weights computed with (stored blocks or dense) and the cache's dtype
             "weights_format": session.weights["format"], "kv_dtype": str(session.kv_dtype),
             "rope_scaling": session.config.rope_scaling, "prefill_chunk": run.prefill_chunk,
             "tp": [dist.rank, dist.world_size] if dist else [0, 1]}
+
+
+def drafter_key(session) -> dict:
+    """What the drafter's StreamingLLM window over a prompt depends on besides the prompt's key."""
+    run, draft = session.run, session.draft
+    return {"draft": draft if draft in ("self", "lookup") else folder_key(draft), "lower_weights": run.lower_weights,
+            "draft_window": run.draft_window, "sinks": run.sinks}
 
 
 def ids_digest(ids: list[int]) -> str:
@@ -85,8 +97,11 @@ def restore(session, gen) -> Path | None:
     if loaded is None:
         return None
     queries, logits = loaded
-    gen.resume(session.prompt_ids, queries, logits=logits)
+    window = kept_window(session, path, key)
+    gen.resume(session.prompt_ids, queries, logits=logits, window=window)
     gen.stats.prefill_seconds = time.perf_counter() - start
+    if window is None:  # computed by this resume: kept for the next
+        keep_window(session, gen.drafter_window(), path, key)
     try:
         os.utime(path)  # recently used: the last to be removed
     except OSError:
@@ -118,12 +133,51 @@ def keep(session, gen) -> Path | None:
             return None
         start = time.perf_counter()
         kvfile.save(path, gen, session.prompt_ids, kvfile.last_queries(gen), key, logits=gen.prompt_logits)
+        keep_window(session, gen.drafter_window(), path, key)
     except OSError as e:
         _say(session, f"could not keep the prefilled prompt ({e}); the next run prefills it again")
         return None
     _say(session, f"kept the prefilled prompt in {path} ({_gib(size)}, {time.perf_counter() - start:.1f} s): "
                   "the next run of this prompt skips its prefill (Settings.prompt_cache off: neither)")
     return path
+
+
+WINDOW = ("k", "v", "state", "prompt")  # Generator.drafter_window()'s tensors, in the order they are written
+
+
+def window_entry(session, path: Path, key: dict) -> tuple[Path, dict]:
+    """(file, key) of the drafter's window beside a kept prompt `path` whose key is `key`."""
+    key = key | {"drafter": drafter_key(session)}
+    rank, world = key["tp"]
+    digest = hashlib.sha256(kvfile.key_text(dict(key, tp=world)).encode()).hexdigest()[:12]
+    shard = f"-rank{rank}" if world > 1 else ""  # the ranks' files end alike (prompt_entry, book.cache_path)
+    return path.with_name(f"{path.stem.removesuffix(shard)}.window-{digest}{shard}.safetensors"), key
+
+
+def kept_window(session, path: Path, key: dict) -> dict | None:
+    """The drafter's window kept beside the prompt `path` (key `key`), where every rank has one."""
+    file, file_key = window_entry(session, path, key)
+    window = None
+    if file.exists():
+        try:
+            window = kvfile.load_tensors(file, file_key, WINDOW)
+        except kvfile.CacheInvalid as e:
+            _say(session, f"the kept drafter window {file} {e}: computing it again")
+            file.unlink(missing_ok=True)  # so that the window computed now is kept in its place
+    if session.dist is not None and not session.dist.all_agree(window is not None):
+        return None  # ranks restore or compute it together: computing runs collectives
+    return window
+
+
+def keep_window(session, window: dict | None, path: Path, key: dict) -> None:
+    """Write the drafter's window beside the prompt `path`, unless it is there already; best effort."""
+    file, file_key = window_entry(session, path, key)
+    if window is None or file.exists():
+        return
+    try:
+        kvfile.save_tensors(file, {name: window[name] for name in WINDOW}, file_key)
+    except OSError:
+        pass  # the next load computes it, as before
 
 
 def make_room(folder: Path, room: int) -> None:

@@ -177,6 +177,22 @@ class StreamingCache(SlotCache):
         """Empty, as freshly built."""
         self.used = self.length = self.evictions = 0
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The live slots and where they stand (a prompt's window, kept to restore it without a pass)."""
+        return {"k": self.k[:, :, :self.used].clone(), "v": self.v[:, :, :self.used].clone(),
+                "state": torch.tensor([self.used, self.length, self.evictions])}
+
+    def restore(self, snap: dict[str, torch.Tensor]) -> None:
+        """Stand as when `snap` was taken; ValueError (nothing changed) where it does not fit this cache."""
+        k, v = snap["k"], snap["v"]
+        used, length, evictions = (int(x) for x in snap["state"])
+        expected = (*self.k.shape[:2], used, self.k.shape[3])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected or k.dtype != self.k.dtype or used > self.capacity:
+            raise ValueError(f"a window of {tuple(k.shape)} {k.dtype} does not fit a cache of {tuple(self.k.shape)} {self.k.dtype}")
+        self.k[:, :, :used].copy_(k)
+        self.v[:, :, :used].copy_(v)
+        self.used, self.length, self.evictions = used, length, evictions
+
     def skipped_to(self, length: int) -> None:
         """The slots hold the sinks and the window ending at `length` (fed as one piece, the tokens
         between dropped): they stand for the sequence's first `length` tokens, no longer 1:1."""

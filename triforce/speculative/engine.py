@@ -147,7 +147,7 @@ class Generator:
         return Prefilled(self.full.cache, prompt, self.context[-1], queries, self.stats.prefill_seconds)
 
     def resume(self, prompt: list[int], queries: list[torch.Tensor], first: int | None = None,
-               learned: bool = False, logits: torch.Tensor | None = None) -> None:
+               learned: bool = False, logits: torch.Tensor | None = None, window: dict | None = None) -> None:
         """Stand where prefill(prompt) left a generator, given a full cache that holds at least the
         prompt's K/V in its first len(prompt) slots (a snapshot's, one loaded from disk, or this
         generator's own after a conversation) and the last prompt token's rotated queries (Hq, D) per
@@ -158,7 +158,9 @@ class Generator:
         the chooser keeps what it learned (as a chat's later turns do: a benchmark of the steady state).
         With `logits` (the prompt's last position, as prefill kept them in `prompt_logits`), the first
         token is sampled from them right after the seed, so a run resumed from a saved prompt draws
-        what the same run after prefill(prompt) draws."""
+        what the same run after prefill(prompt) draws. With `window` (drafter_window() after
+        prefill(prompt) or an earlier resume, in this process or kept on disk) the drafter's StreamingLLM
+        cache is restored from it instead of computed again (SmolLM2 drafting for itself: 0.5 s)."""
         self.stats.phase = "prefill"  # the retrieval build and the drafter's window belong to prefill
         try:
             self.full.cache.rollback(len(prompt))
@@ -181,7 +183,8 @@ class Generator:
                 check_budget(self.cfg.budget, self.cfg.chunk_size, len(prompt))
                 self._rebuild(query_index=-1)
             if self.drafter is not None and not self.drafter.held == self.drafter.agreed == len(prompt):
-                self._restart_drafter(len(prompt))
+                if not self._restore_drafter(len(prompt), window):
+                    self._restart_drafter(len(prompt))
         finally:
             self.stats.phase = "decode"
 
@@ -329,6 +332,27 @@ class Generator:
                 self._restart_drafter(length - 1)
         if self.middle is not None:
             self._rebuild(query_index=-1)
+
+    def drafter_window(self) -> dict | None:
+        """The drafter's StreamingLLM cache as it stands for the committed prompt right after prefill()
+        or resume() (the sinks and the window, computed as one piece), for resume(window=...); None
+        without a drafter or where it has moved on."""
+        drafter = self.drafter
+        if drafter is None or not 0 < drafter.held == drafter.agreed == drafter.cache.length:
+            return None
+        return drafter.cache.snapshot() | {"prompt": torch.tensor(drafter.held)}
+
+    def _restore_drafter(self, n: int, window: dict | None) -> bool:
+        """The drafter's cache for the first n tokens from a window taken at n; False where there is
+        none (or it does not fit), and the caller computes it."""
+        if window is None or int(window["prompt"]) != n:
+            return False
+        try:
+            self.drafter.cache.restore(window)
+        except ValueError:
+            return False
+        self.drafter.adopt(n)
+        return True
 
     def _restart_drafter(self, n: int) -> None:
         """Empty the drafter's StreamingLLM cache and prefill it cheaply for the first n tokens."""

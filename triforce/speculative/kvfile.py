@@ -64,6 +64,17 @@ def save(path: str | Path, gen: Generator, prompt: list[int], queries: list[torc
     return _write_atomic(Path(path), tensors + _kv_tensors(gen.full.cache, 0, n), key_text(key))
 
 
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], key: dict) -> int:
+    """Named tensors in the same format, atomically (a drafter's window beside a saved prompt)."""
+    return _write_atomic(Path(path), [(name, lambda t=t: t, tuple(t.shape), t.dtype) for name, t in tensors.items()],
+                         key_text(key))
+
+
+def load_tensors(path: str | Path, key: dict, names) -> dict[str, torch.Tensor]:
+    """save_tensors' tensors `names` of a file made for `key`; CacheInvalid as `load`."""
+    return _checked(path, key_text(key), lambda f, digest: {name: _read(f, name, digest) for name in names})
+
+
 def _kv_tensors(cache, start: int, end: int) -> list:
     """(name, make, shape, dtype) of every layer's K and V over tokens [start, end), read lazily."""
     shape = cache.shape
