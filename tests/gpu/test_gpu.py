@@ -578,3 +578,23 @@ def test_a_captured_kernel_writes_the_mapped_pinned_store():
         torch.cuda.synchronize()
         assert torch.equal(store.k[:, start:start + 2], fresh.cpu())
     assert store.k[:, 7:40].abs().sum() == 0 and store.k[:, :5].abs().sum() == 0
+
+
+@cuda
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_a_kept_prompt_and_window_load_to_the_same_tokens_on_cuda(tmp_path_factory, monkeypatch, offload):
+    """runtime/prompt_cache.py on CUDA (graphs on, device rounds, a store in host memory): the run that
+    loads the prompt and the drafter's window samples what the run that prefilled sampled."""
+    import triforce
+    from ..conftest import tiny_with_tokenizer
+
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path_factory.mktemp("gpu-prompt-cache")))
+    folder = tiny_with_tokenizer(tmp_path_factory, "gpu-prompt", seed=12)
+    prompt = " ".join(f"t{3 + (i * 7) % 60}" for i in range(300))
+    settings = dict(model=str(folder), device="cuda", offload=offload, draft="self", mode="triforce", adaptive=False,
+                    temperature=1.0, seed=5, max_new_tokens=32, budget=64, chunk_size=8, gamma1=2, gamma2=3)
+    prefilled = triforce.generate(prompt, prompt_cache="off", **settings).tokens
+    kept = triforce.generate(prompt, prompt_cache="on", **settings)
+    loaded = triforce.generate(prompt, prompt_cache="on", **settings)
+    assert kept.report["prompt_cache"]["kept"] and loaded.report["prompt_cache"]["loaded"]
+    assert prefilled == kept.tokens == loaded.tokens
