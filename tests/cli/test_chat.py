@@ -22,6 +22,7 @@ from triforce.cli.common import run_cli
 from triforce.speculative import Generator, kvfile
 
 from ..conftest import save_tiny, save_tokenizer
+from ..runtime.test_prompt_cache import kept_files
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +270,7 @@ def test_what_the_chooser_learned_is_kept_for_the_next_start(start, tmp_path, ca
 @pytest.mark.parametrize("where", ["data", "header", "truncated"])
 def test_damaged_cache_is_rebuilt(start, tmp_path, capsys, where):
     reference = start(stops=frozenset()).ask("t5").tokens
-    [path] = (tmp_path / "cache").glob("*.safetensors")
+    [path] = kept_files(tmp_path / "cache")  # the saved book (the drafter's window beside it aside)
     data = bytearray(path.read_bytes())
     if where == "data":
         data[-50] ^= 0x01
@@ -339,7 +340,7 @@ def test_whole_book_past_the_trained_positions_gets_yarn(tmp_path, capsys):
 
 def test_mismatched_cache_is_refused(start, tmp_path):
     c = start()
-    [path] = (tmp_path / "cache").glob("*.safetensors")
+    [path] = kept_files(tmp_path / "cache")  # the saved book (the drafter's window beside it aside)
     key = chat_book.cache_key(c.session, c.book)
     kvfile.load(path, c.gen, key, c.book.prompt)  # the right key loads
     with pytest.raises(kvfile.CacheInvalid, match="another model, book or setting"):
