@@ -117,3 +117,29 @@ def test_2000_tokens_at_16k_stay_lossless():
     # absorbing 2,000 tokens overflows the 2,048-token retrieval cache (measured: 1 rebuild), and moves the
     # drafter's window about once per 64 tokens (its slack; 1,455 times, once a pass, before session 28)
     assert gen.stats.rebuilds >= 1 and gen.drafter.cache.evictions > 20, (gen.stats.rebuilds, gen.drafter.cache.evictions)
+
+
+def test_a_reused_prompt_prefix_leaves_the_cache_a_whole_prefill_leaves(tmp_path, monkeypatch):
+    """runtime/prefill.py on the real model, in the machine's default dtype: a longer prompt that
+    begins with a kept one reuses its whole prefill pieces, and the file kept after it is the file a
+    prefill from token 0 keeps, bit for bit (its checksum covers every K/V byte, the queries and the
+    logits). Reusing up to the first differing token instead, off the pieces' grid, changed the bits
+    here (session 50): another split of the same prompt rounds otherwise."""
+    import triforce
+    from safetensors import safe_open
+
+    def digest(path):
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata()["sha256"]
+
+    text = BOOK.read_text()[60_000:72_000]
+    settings = dict(model=str(MODEL), prefill_chunk=1024, max_new_tokens=4, mode="autoregressive",
+                    adaptive=False, temperature=0.0, prompt_cache="on")
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "reusing"))
+    triforce.generate(text[:9000], **settings)
+    reusing = triforce.generate(text, **settings)
+    assert reusing.report["prompt_cache"]["reused"] == 2048 and reusing.stats.prompt_tokens > 2048 + 512
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "whole"))
+    whole = triforce.generate(text, **settings)
+    assert whole.report["prompt_cache"]["reused"] == 0
+    assert digest(reusing.report["prompt_cache"]["kept"]) == digest(whole.report["prompt_cache"]["kept"])

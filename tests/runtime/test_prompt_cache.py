@@ -42,10 +42,10 @@ def test_a_loaded_prompt_makes_the_tokens_a_prefill_makes(model, cache, mode, sa
     prefilled = triforce.generate(PROMPT, prompt_cache="off", **settings)
     assert kept_files(cache) == []
     kept = triforce.generate(PROMPT, prompt_cache="on", **settings)
-    assert kept.report["prompt_cache"] == {"loaded": None, "kept": str(kept_files(cache)[0])}
+    assert kept.report["prompt_cache"] == {"loaded": None, "kept": str(kept_files(cache)[0]), "reused": 0}
     calls = []
     loaded = triforce.generate(PROMPT, prompt_cache="on", on_prefill=calls.append, **settings)
-    assert loaded.report["prompt_cache"] == {"loaded": str(kept_files(cache)[0]), "kept": None}
+    assert loaded.report["prompt_cache"] == {"loaded": str(kept_files(cache)[0]), "kept": None, "reused": 0}
     assert calls == []  # no prefill ran
     assert prefilled.tokens == kept.tokens == loaded.tokens
     assert loaded.stats.prompt_tokens == prefilled.stats.prompt_tokens > 0
@@ -87,7 +87,7 @@ def test_a_damaged_file_is_said_and_prefilled_again(model, cache, caplog):
     with caplog.at_level(logging.WARNING, logger="triforce"):
         again = triforce.generate(PROMPT, prompt_cache="on", **settings)
     assert f"the kept prompt {path} is corrupt (checksum mismatch): prefilling it again" in caplog.text
-    assert again.report["prompt_cache"] == {"loaded": None, "kept": str(path)}
+    assert again.report["prompt_cache"] == {"loaded": None, "kept": str(path), "reused": 0}
     assert again.tokens == first.tokens
     assert triforce.generate(PROMPT, prompt_cache="on", **settings).report["prompt_cache"]["loaded"] == str(path)
 
@@ -95,9 +95,9 @@ def test_a_damaged_file_is_said_and_prefilled_again(model, cache, caplog):
 def test_off_neither_loads_nor_keeps_and_auto_keeps_slow_prefills(model, cache, monkeypatch):
     settings = dict(model=str(model), mode="triforce", temperature=0.0, **FIXED)
     triforce.generate(PROMPT, prompt_cache="on", **settings)
-    assert triforce.generate(PROMPT, prompt_cache="off", **settings).report["prompt_cache"] == {"loaded": None, "kept": None}
+    assert triforce.generate(PROMPT, prompt_cache="off", **settings).report["prompt_cache"] == {"loaded": None, "kept": None, "reused": 0}
     auto = dict(settings, kv_dtype="float32")  # another key: nothing kept for it yet
-    assert triforce.generate(PROMPT, **auto).report["prompt_cache"] == {"loaded": None, "kept": None}  # a fast prefill
+    assert triforce.generate(PROMPT, **auto).report["prompt_cache"] == {"loaded": None, "kept": None, "reused": 0}  # a fast prefill
     monkeypatch.setattr(prompt_cache, "PROMPT_CACHE_SECONDS", 0.0)
     assert triforce.generate(PROMPT, **auto).report["prompt_cache"]["kept"]
     assert triforce.generate(PROMPT, **auto).report["prompt_cache"]["loaded"]
@@ -167,8 +167,8 @@ def test_tensor_parallel_ranks_keep_and_load_their_shards(model, cache):
     window = windows[0].name.removesuffix("-rank0.safetensors")
     assert window.startswith(f"{stem}.window-") and [w.name for w in windows] == [f"{window}-rank{r}.safetensors" for r in (0, 1)]
     loaded_tokens, loaded = tokens_and_cache()
-    assert loaded == {"loaded": str(files[0]), "kept": None} and loaded_tokens == kept_tokens
+    assert loaded == {"loaded": str(files[0]), "kept": None, "reused": 0} and loaded_tokens == kept_tokens
     files[1].unlink()
     again_tokens, again = tokens_and_cache()
-    assert again == {"loaded": None, "kept": str(files[0])} and again_tokens == kept_tokens
+    assert again == {"loaded": None, "kept": str(files[0]), "reused": 0} and again_tokens == kept_tokens
     assert kept_files(cache) == files

@@ -64,9 +64,13 @@ def main(argv=None) -> int:
     left = [len(session.prompt_ids)]
 
     def on_prefill(n: int) -> None:  # the bar shows from the prefill's start until its last token
-        if n == 0:
-            bar["progress"], bar["advance"] = prefill_progress(session.console, len(session.prompt_ids))
+        if n == 0:  # tokens reused from a kept prompt or a checkpoint show as done, outside the rate
+            reused = bar["reused"] = session.prompt_cache["reused"]
+            bar["progress"], bar["advance"] = prefill_progress(session.console, len(session.prompt_ids), done=reused)
             bar["progress"].start()
+            left[0] -= reused
+            return
+        if bar.pop("reused", 0):  # the reused tokens' own call, right after 0: the bar started with them
             return
         bar["advance"](n)
         left[0] -= n

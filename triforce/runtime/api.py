@@ -21,7 +21,6 @@ TRIFORCE_REUSE_MEMORY=0.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -73,8 +72,10 @@ def generate(prompt: str | list[int] | None = None, *, prompt_file: str | Path |
     """Generate from a prompt (text, token ids or a file; none: the embedded job) with `settings`.
 
     on_tokens(tokens, levels): each batch of committed tokens and the level that proposed each;
-    on_text(piece): the text as it becomes final; on_prefill(n): n more prompt tokens processed (not
-    called for a prompt loaded from the prompt cache: runtime/prompt_cache.py, Settings.prompt_cache)."""
+    on_text(piece): the text as it becomes final; on_prefill(n): n more prompt tokens in the cache (0
+    when the prefill starts, then in one call those reused from a kept prompt or a checkpoint, then
+    each piece computed: runtime/prefill.py), not called for a prompt loaded whole from the prompt
+    cache (runtime/prompt_cache.py, Settings.prompt_cache)."""
     if prompt is not None and prompt_file is not None:
         raise ValueError("give a prompt or a prompt_file, not both")
     run = job_settings(make_settings(None, None, **settings), embedded=prompt is None and prompt_file is None)
@@ -95,17 +96,14 @@ def run_generation(session, on_tokens=None, on_text=None, on_prefill=None, watch
     `watch_prefill(model)`: a context manager around the prefill given the model it runs (the
     command line's bar watches its layers, to move within a long piece)."""
     from . import prompt_cache
+    from .prefill import prefill
 
     cfg = session.plan_generation()
     session.load(modes=(session.run.mode,))
     gen = session.generator(cfg, max_len=len(session.prompt_ids) + session.run.max_new_tokens)
-    session.prompt_cache = {"loaded": prompt_cache.restore(session, gen), "kept": None}
+    session.prompt_cache = {"loaded": prompt_cache.restore(session, gen), "kept": None, "reused": 0}
     if session.prompt_cache["loaded"] is None:
-        if on_prefill:
-            on_prefill(0)  # the prefill starts
-        with watch_prefill(gen.full.model) if watch_prefill else nullcontext():
-            gen.prefill(session.prompt_ids, progress=on_prefill)
-        session.prompt_cache["kept"] = prompt_cache.keep(session, gen)
+        _, session.prompt_cache["kept"] = prefill(session, gen, on_prefill, watch_prefill)
     stream = StreamingText(session.tokenizer)
 
     def committed(tokens, levels):

@@ -24,6 +24,7 @@ from triforce.speculative import kvfile
 
 from .book_memo import BookMemo
 from .prompt_cache import ids_digest, run_key
+from .prefill import CHECKPOINT_SECONDS, resume_checkpoints, say_kept
 from .settings import Settings, context_positions
 from .text import read_text
 
@@ -33,9 +34,6 @@ SYSTEM = ("You are a helpful assistant. The user wants to talk about the book {n
           "their questions from the book's text, quote it where that helps, and say so when the book does not tell.")
 TRUNCATED = " Only the end of the book fits: the text below is its last {kept:,} tokens."
 MARKS = {"book": "@@BOOK@@", "question": "@@QUESTION@@", "answer": "@@ANSWER@@"}
-# An interrupted prefill loses at most this much work; a checkpoint of a few thousand tokens costs
-# well under a second to write, next to tens of seconds of prefill on a CPU
-CHECKPOINT_SECONDS = float(os.environ.get("SPEC_CHECKPOINT_SECONDS", "30"))
 PLAIN = ("{system}\n\n", "\n\n", "User: ", "\nAssistant:", "\n\n")  # for tokenizers without a chat template
 
 
@@ -266,12 +264,7 @@ def _prefill(gen, book: Book, session, report: Reporter, path: Path | None, key:
     if path is not None:
         checkpoints = kvfile.Checkpoints(path.with_suffix(".partial"), gen, key, book.prompt,
                                          every_seconds=CHECKPOINT_SECONDS)
-        resumed = checkpoints.resume()
-        dist = session.dist
-        if dist is not None and not dist.all_agree(resumed == dist.share(lambda: resumed)):
-            # ranks feed the same passes in lockstep: unless all resume from the same token, none does
-            gen.full.rollback(0)
-            checkpoints.saved = resumed = 0
+        resumed = resume_checkpoints(checkpoints, gen, session.dist)
         if resumed:
             report.note(f"resuming the prefill from a checkpoint: {resumed:,} of {len(book.prompt):,} tokens "
                         f"done ({resumed / len(book.prompt):.0%})")
@@ -326,12 +319,7 @@ def _say_kept(checkpoints, total: int, report: Reporter) -> None:
     if checkpoints is None:
         report.warn("the prefill stopped: nothing is kept without a cache directory, the next start prefills again")
         return
-    try:
-        checkpoints.flush()
-    except (OSError, KeyboardInterrupt):
-        pass  # the checkpoints written before stand
-    report.warn(f"the prefill stopped: {checkpoints.saved:,} of {total:,} tokens ({checkpoints.saved / total:.0%}) are kept; "
-                f"the next start on this book resumes from there")
+    say_kept(checkpoints, total, report.warn, "the next start on this book resumes from there")
 
 
 # ------------------------------------------------------------------------------ which model reads it

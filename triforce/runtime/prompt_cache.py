@@ -89,7 +89,7 @@ def restore(session, gen) -> Path | None:
         try:
             loaded = kvfile.load_prompt(path, gen, key, session.prompt_ids)
         except kvfile.CacheInvalid as e:
-            _say(session, f"the kept prompt {path} {e}: prefilling it again")
+            say(session, f"the kept prompt {path} {e}: prefilling it again")
     if session.dist is not None and not session.dist.all_agree(loaded is not None):
         if loaded is not None:  # another rank's file is unusable: all ranks prefill, in lockstep
             gen.full.cache.rollback(0)
@@ -106,7 +106,7 @@ def restore(session, gen) -> Path | None:
         os.utime(path)  # recently used: the last to be removed
     except OSError:
         pass
-    _say(session, f"loaded the prefilled prompt from {path} in {gen.stats.prefill_seconds:.1f} s "
+    say(session, f"loaded the prefilled prompt from {path} in {gen.stats.prefill_seconds:.1f} s "
                   "(Settings.prompt_cache off: prefill it)")
     return path
 
@@ -123,21 +123,21 @@ def keep(session, gen) -> Path | None:
     path, key = prompt_entry(session)
     size = gen.full.cache.shape.bytes_per_token * len(session.prompt_ids)
     if size > LIMIT_BYTES:
-        _say(session, f"not keeping the prefilled prompt: {_gib(size)} is over the prompt cache's {_gib(LIMIT_BYTES)}")
+        say(session, f"not keeping the prefilled prompt: {_gib(size)} is over the prompt cache's {_gib(LIMIT_BYTES)}")
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         make_room(path.parent, LIMIT_BYTES - size)
         if shutil.disk_usage(path.parent).free < size + RESERVE_BYTES:
-            _say(session, f"not keeping the prefilled prompt: {_gib(size)} would leave {path.parent} short of space")
+            say(session, f"not keeping the prefilled prompt: {_gib(size)} would leave {path.parent} short of space")
             return None
         start = time.perf_counter()
         kvfile.save(path, gen, session.prompt_ids, kvfile.last_queries(gen), key, logits=gen.prompt_logits)
         keep_window(session, gen.drafter_window(), path, key)
     except OSError as e:
-        _say(session, f"could not keep the prefilled prompt ({e}); the next run prefills it again")
+        say(session, f"could not keep the prefilled prompt ({e}); the next run prefills it again")
         return None
-    _say(session, f"kept the prefilled prompt in {path} ({_gib(size)}, {time.perf_counter() - start:.1f} s): "
+    say(session, f"kept the prefilled prompt in {path} ({_gib(size)}, {time.perf_counter() - start:.1f} s): "
                   "the next run of this prompt skips its prefill (Settings.prompt_cache off: neither)")
     return path
 
@@ -162,7 +162,7 @@ def kept_window(session, path: Path, key: dict) -> dict | None:
         try:
             window = kvfile.load_tensors(file, file_key, WINDOW)
         except kvfile.CacheInvalid as e:
-            _say(session, f"the kept drafter window {file} {e}: computing it again")
+            say(session, f"the kept drafter window {file} {e}: computing it again")
             file.unlink(missing_ok=True)  # so that the window computed now is kept in its place
     if session.dist is not None and not session.dist.all_agree(window is not None):
         return None  # ranks restore or compute it together: computing runs collectives
@@ -181,9 +181,10 @@ def keep_window(session, window: dict | None, path: Path, key: dict) -> None:
 
 
 def make_room(folder: Path, room: int) -> None:
-    """Remove kept prompts, least recently used first, until those left take at most `room` bytes."""
+    """Remove kept prompts (and checkpoints of interrupted prefills: runtime/prefill.py), least
+    recently used first, until those left take at most `room` bytes."""
     files = []
-    for f in folder.glob("*.safetensors"):
+    for f in [*folder.glob("*.safetensors"), *folder.glob("*.partial/*.safetensors")]:
         try:
             files.append((f.stat().st_mtime, f.stat().st_size, f))
         except OSError:  # removed meanwhile (another rank, another run)
@@ -200,14 +201,15 @@ def describe(cache: dict, setting: str) -> str:
     """The statistics' line: where this run's prompt K/V came from, or why they were not kept."""
     if cache["loaded"]:  # the file's name is in the note above the text; a table cell would cut it
         return "loaded: a run before kept this prompt's prefill"
+    reused = f"{cache['reused']:,} tokens reused from a run before, " if cache.get("reused") else ""
     if cache["kept"]:
-        return "kept: the next run of this prompt skips its prefill"
+        return f"{reused}kept: the next run of this prompt skips its prefill"
     if setting == "off":
         return "off (--prompt-cache off)"
-    return f"not kept ({'--prompt-cache on, but it could not be written' if setting == 'on' else f'prefills under {PROMPT_CACHE_SECONDS:g} s are not'})"
+    return f"{reused}not kept ({'--prompt-cache on, but it could not be written' if setting == 'on' else f'prefills under {PROMPT_CACHE_SECONDS:g} s are not'})"
 
 
-def _say(session, note: str) -> None:
+def say(session, note: str) -> None:
     if session.is_main:
         session.say(note)
 

@@ -228,7 +228,9 @@ class Session:
             "prompt_tokens": stats.prompt_tokens, "new_tokens": len(tokens), "tokens": tokens, "text": text,
             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
             # where the prompt's K/V came from: a kept file ("loaded"), or a prefill kept for later ("kept")
-            "prompt_cache": {k: v and str(v) for k, v in getattr(self, "prompt_cache", {}).items()} or None,
+            # that reused the first tokens of a kept prompt or checkpoint ("reused")
+            "prompt_cache": {k: str(v) if isinstance(v, Path) else v
+                             for k, v in getattr(self, "prompt_cache", {}).items()} or None,
             "tokens_per_second": stats.tokens_per_second,
             "acceptance": {"draft": acc.get("draft->middle", acc.get("draft->verify")),
                            "lookup": acc.get("lookup->middle", acc.get("lookup->verify")),

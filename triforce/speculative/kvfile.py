@@ -161,6 +161,24 @@ def _load(path, gen: Generator, key: dict, prompt: list[int], with_logits: bool)
     return [q.to(gen.device) for q in queries.unbind(0)], logits  # safetensors reads to the CPU
 
 
+def load_prefix(path: str | Path, gen: Generator, key: dict, prompt: list[int], upto: int) -> None:
+    """Read the K/V of prompt[:upto] from a file saved (by save) for a prompt that begins with those
+    ids into gen's full cache, which then holds upto tokens (`gen.restored(prompt[:upto])` makes them
+    live; prefill continues after them). The whole file is read, as its checksum covers every byte:
+    worth it where most of it is used. CacheInvalid as `load`."""
+    def body(f, digest):
+        saved = _read(f, "prompt", digest)
+        if saved.shape[0] < upto or saved[:upto].tolist() != list(prompt[:upto]):
+            raise CacheInvalid(f"does not begin with this prompt's first {upto} tokens")
+        for name in ("queries", "logits"):  # in the order save() wrote them; unused here
+            if name in f.keys():
+                _read(f, name, digest)
+        _read_kv(f, gen.full.cache, 0, saved.shape[0], digest, upto=upto)
+
+    _checked(path, key_text(key), body)
+    gen.full.cache.fill(upto)
+
+
 def _checked(path: str | Path, key: str, body):
     """body(file, digest) over a file whose format and key are right; CacheInvalid unless the
     digest of the key and of every byte body read matches the stored one."""
@@ -190,17 +208,18 @@ def _read(f, name: str, digest) -> torch.Tensor:
     return t
 
 
-def _read_kv(f, cache, start: int, end: int, digest) -> None:
-    shape = cache.shape
-    if end > cache.capacity:
-        raise CacheInvalid(f"holds {end} tokens, more than the cache's {cache.capacity}")
+def _read_kv(f, cache, start: int, end: int, digest, upto: int | None = None) -> None:
+    """The file's K/V of tokens [start, end) into the cache, those before `upto` (default: all)."""
+    shape, upto = cache.shape, end if upto is None else upto
+    if upto > cache.capacity:
+        raise CacheInvalid(f"holds {upto} tokens, more than the cache's {cache.capacity}")
     expected = (shape.num_kv_heads, end - start, shape.head_dim)
     for layer in range(shape.num_layers):
         k, v = _read(f, f"k.{layer}", digest), _read(f, f"v.{layer}", digest)
         for name, t in ((f"k.{layer}", k), (f"v.{layer}", v)):
             if tuple(t.shape) != expected or t.dtype != shape.dtype:
                 raise CacheInvalid(f"has {name} of {tuple(t.shape)} {t.dtype}, expected {expected} {shape.dtype}")
-        cache.write(layer, start, k, v)
+        cache.write(layer, start, k[:, :upto - start], v[:, :upto - start])
 
 
 def file_digest(path: str | Path) -> str:
