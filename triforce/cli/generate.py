@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from triforce.cli.common import (DEFAULT_PROMPT_FILE, Settings, add_engine_args, add_model_args, check_flags,
@@ -61,21 +62,26 @@ def main(argv=None) -> int:
     session = open_session(opts.run, text, load=False)
     out = session.stdout
     bar: dict = {}  # made when the prefill starts: its clock and rate then leave out compiling and loading
-    left = [len(session.prompt_ids)]
 
-    def on_prefill(n: int) -> None:  # the bar shows from the prefill's start until its last token
+    def on_prefill(n: int) -> None:
         if n == 0:  # tokens reused from a kept prompt or a checkpoint show as done, outside the rate
-            reused = bar["reused"] = session.prompt_cache["reused"]
-            bar["progress"], bar["advance"] = prefill_progress(session.console, len(session.prompt_ids), done=reused)
+            bar["reused"] = session.prompt_cache["reused"]
+            bar["progress"], bar["advance"] = prefill_progress(session.console, len(session.prompt_ids),
+                                                               done=bar["reused"])
             bar["progress"].start()
-            left[0] -= reused
-            return
-        if bar.pop("reused", 0):  # the reused tokens' own call, right after 0: the bar started with them
-            return
-        bar["advance"](n)
-        left[0] -= n
-        if left[0] <= 0:
-            bar["progress"].stop()
+        elif not bar.pop("reused", 0):  # (the reused tokens' own call, right after 0: the bar has them)
+            bar["advance"](n)
+
+    @contextmanager
+    def watching(model):
+        """The bar moves within pieces while the prefill runs, and stops as it ends, before what is
+        said next (the kept prompt, or where an interrupted prefill can resume)."""
+        try:
+            with watch_layers(model, bar.get("advance")):
+                yield
+        finally:
+            if "progress" in bar:
+                bar["progress"].stop()
 
     def write(piece: str) -> None:
         if not opts.json:
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
 
     try:
         result = run_generation(session, on_text=write, on_prefill=on_prefill if session.is_main else None,
-                                watch_prefill=lambda model: watch_layers(model, bar.get("advance")))
+                                watch_prefill=watching)
     finally:
         if "progress" in bar:
             bar["progress"].stop()
