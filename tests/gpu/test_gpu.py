@@ -598,3 +598,24 @@ def test_a_kept_prompt_and_window_load_to_the_same_tokens_on_cuda(tmp_path_facto
     loaded = triforce.generate(prompt, prompt_cache="on", **settings)
     assert kept.report["prompt_cache"]["kept"] and loaded.report["prompt_cache"]["loaded"]
     assert prefilled == kept.tokens == loaded.tokens
+
+
+@cuda
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_a_reused_prompt_prefix_makes_a_whole_prefills_tokens_on_cuda(tmp_path_factory, monkeypatch, offload):
+    """runtime/prefill.py on CUDA: a question after a kept document loads the document's whole prefill
+    pieces into the device cache (or the store in host memory), and the run samples what a whole
+    prefill's run samples."""
+    import triforce
+    from ..conftest import tiny_with_tokenizer
+
+    monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path_factory.mktemp("gpu-prompt-prefix")))
+    folder = tiny_with_tokenizer(tmp_path_factory, "gpu-prefix", seed=21)
+    document = " ".join(f"t{3 + (i * 11) % 60}" for i in range(300))
+    settings = dict(model=str(folder), device="cuda", offload=offload, draft="self", mode="triforce", adaptive=False,
+                    temperature=1.0, seed=5, max_new_tokens=32, budget=64, chunk_size=8, gamma1=2, gamma2=3,
+                    prefill_chunk=64)
+    triforce.generate(document + " t5 t9", prompt_cache="on", **settings)
+    reusing = triforce.generate(document + " t8 t6 t4", prompt_cache="on", **settings)
+    assert reusing.report["prompt_cache"]["reused"] >= 256
+    assert reusing.tokens == triforce.generate(document + " t8 t6 t4", prompt_cache="off", **settings).tokens
