@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 import triforce
 from triforce.runtime import prefill as prefill_module
+from triforce.runtime import prompt_cache
 
 from ..conftest import tiny_with_tokenizer
 from ..helpers import run
@@ -114,6 +115,23 @@ def test_an_interrupted_prefill_resumes_from_its_checkpoints(model, cache, monke
     assert resumed.report["prompt_cache"]["reused"] == 192 and resumed.report["prompt_cache"]["kept"]
     assert not list(cache.glob("*.partial"))  # the kept file replaced the checkpoints
     assert resumed.tokens == triforce.generate(DOCUMENT, prompt_cache="off", **settings).tokens
+
+
+def test_a_prompt_the_cache_cannot_keep_writes_no_checkpoints(model, cache, monkeypatch, caplog):
+    """Checkpoints take the bytes the kept prompt would: over the folder's limit, none are written."""
+    settings = dict(model=str(model), mode="triforce", temperature=0.0, prefill_chunk=PIECE, **FIXED)
+    monkeypatch.setattr(prefill_module, "CHECKPOINT_SECONDS", 0.0)  # one after every piece, were there room
+    monkeypatch.setattr(prompt_cache, "LIMIT_BYTES", 1000)
+    pieces = []
+
+    def interrupt_after_three(n):
+        pieces.append(n)
+        if len(pieces) == 4:
+            raise KeyboardInterrupt
+
+    with caplog.at_level(logging.WARNING, logger="triforce"), pytest.raises(KeyboardInterrupt):
+        triforce.generate(DOCUMENT, prompt_cache="on", on_prefill=interrupt_after_three, **settings)
+    assert "the prefill stopped" not in caplog.text and not list(cache.glob("*.partial/*"))
 
 
 def test_the_command_line_shows_the_reused_tokens(model, cache):

@@ -28,7 +28,7 @@ import torch
 
 from triforce.speculative import kvfile
 
-from .prompt_cache import keep, prompt_entry, say
+from .prompt_cache import keep, no_room, prompt_entry, say
 
 # An interrupted prefill loses at most this much work; a checkpoint of a few thousand tokens costs
 # well under a second to write, next to tens of seconds of prefill on a CPU
@@ -42,7 +42,7 @@ def prefill(session, gen, on_prefill=None, watch=None) -> tuple[int, Path | None
     piece computed. session.prompt_cache["reused"] says the reused tokens before on_prefill(0).
     watch(model): a context manager around the prefill (the command line's bar watches layers)."""
     prompt = session.prompt_ids
-    checkpoints, reused = None, 0
+    checkpoints, writing, reused = None, False, 0
     if session.run.prompt_cache != "off":
         path, key = prompt_entry(session)
         checkpoints = kvfile.Checkpoints(path.with_suffix(".partial"), gen, key, prompt,
@@ -52,6 +52,8 @@ def prefill(session, gen, on_prefill=None, watch=None) -> tuple[int, Path | None
             say(session, f"resuming the prefill from a checkpoint: {reused:,} of {len(prompt):,} tokens done")
         else:
             reused = reuse_kept_prefix(session, gen, path, key)
+        # checkpoints only of a prompt the cache could keep: they take its bytes by the end
+        writing = _no_room(path, gen.full.cache.shape.bytes_per_token * len(prompt)) is None
     session.prompt_cache["reused"] = reused
     if on_prefill:
         on_prefill(0)
@@ -61,22 +63,28 @@ def prefill(session, gen, on_prefill=None, watch=None) -> tuple[int, Path | None
     def step(n: int) -> None:
         if on_prefill:
             on_prefill(n)
-        if checkpoints is not None:
+        if writing:
             checkpoints.after(n)
 
     try:
         with watch(gen.full.model) if watch else nullcontext():
             gen.prefill(prompt, progress=step)
     except KeyboardInterrupt:
-        if checkpoints is not None and session.is_main:
-            say_kept(checkpoints, len(prompt), session.say, "the next run of this prompt resumes from there")
-        elif checkpoints is not None:
-            checkpoints.flush()
+        if writing:
+            say_kept(checkpoints, len(prompt), session.say if session.is_main else lambda _: None,
+                     "the next run of this prompt resumes from there")
         raise
     kept = keep(session, gen)
     if checkpoints is not None:
         checkpoints.discard()  # the kept file holds it all now (or it was not worth keeping)
     return reused, kept
+
+
+def _no_room(path: Path, size: int) -> str | None:
+    try:
+        return no_room(path, size)
+    except OSError as e:
+        return str(e)
 
 
 def resume_checkpoints(checkpoints: kvfile.Checkpoints, gen, dist) -> int:

@@ -122,14 +122,10 @@ def keep(session, gen) -> Path | None:
         return None
     path, key = prompt_entry(session)
     size = gen.full.cache.shape.bytes_per_token * len(session.prompt_ids)
-    if size > LIMIT_BYTES:
-        say(session, f"not keeping the prefilled prompt: {_gib(size)} is over the prompt cache's {_gib(LIMIT_BYTES)}")
-        return None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        make_room(path.parent, LIMIT_BYTES - size)
-        if shutil.disk_usage(path.parent).free < size + RESERVE_BYTES:
-            say(session, f"not keeping the prefilled prompt: {_gib(size)} would leave {path.parent} short of space")
+        full = no_room(path, size)
+        if full:
+            say(session, f"not keeping the prefilled prompt: {full}")
             return None
         start = time.perf_counter()
         kvfile.save(path, gen, session.prompt_ids, kvfile.last_queries(gen), key, logits=gen.prompt_logits)
@@ -140,6 +136,18 @@ def keep(session, gen) -> Path | None:
     say(session, f"kept the prefilled prompt in {path} ({_gib(size)}, {time.perf_counter() - start:.1f} s): "
                   "the next run of this prompt skips its prefill (Settings.prompt_cache off: neither)")
     return path
+
+
+def no_room(path: Path, size: int) -> str | None:
+    """Why `size` bytes cannot be kept at `path` (over the folder's limit, or the disk's room once the
+    least recently used files made way), or None when they can; OSError where the folder cannot be made."""
+    if size > LIMIT_BYTES:
+        return f"{_gib(size)} is over the prompt cache's {_gib(LIMIT_BYTES)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    make_room(path.parent, LIMIT_BYTES - size)
+    if shutil.disk_usage(path.parent).free < size + RESERVE_BYTES:
+        return f"{_gib(size)} would leave {path.parent} short of space"
+    return None
 
 
 WINDOW = ("k", "v", "state", "prompt")  # Generator.drafter_window()'s tensors, in the order they are written
