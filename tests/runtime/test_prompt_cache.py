@@ -115,6 +115,24 @@ def test_the_least_recently_used_files_go_first(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["other.json"]
 
 
+def test_a_prompt_over_the_limit_is_said_and_the_variable_raises_it(model, cache, monkeypatch, caplog):
+    """A prompt over the folder's limit is not kept, and the note names the variable and a value that
+    keeps it; that value keeps it; a value that is not a size is refused before the prefill."""
+    settings = dict(model=str(model), mode="triforce", temperature=0.0, **FIXED)
+    monkeypatch.setattr(prompt_cache, "LIMIT_BYTES", 1000)
+    with caplog.at_level(logging.WARNING, logger="triforce"):
+        over = triforce.generate(PROMPT, prompt_cache="on", **settings)
+    assert over.report["prompt_cache"]["kept"] is None
+    assert "is over the prompt cache's 0.0 MiB (TRIFORCE_PROMPT_CACHE_GIB=2 would keep it)" in caplog.text
+    monkeypatch.setenv("TRIFORCE_PROMPT_CACHE_GIB", "2")
+    assert triforce.generate(PROMPT, prompt_cache="on", **settings).report["prompt_cache"]["kept"]
+    monkeypatch.setenv("TRIFORCE_PROMPT_CACHE_GIB", "lots")
+    calls = []
+    with pytest.raises(triforce.UserError, match="TRIFORCE_PROMPT_CACHE_GIB='lots' is not a size in GiB; set a number"):
+        triforce.generate(PROMPT + " t5", prompt_cache="on", on_prefill=calls.append, **settings)
+    assert calls == []  # refused before the prefill
+
+
 def test_a_loaded_file_is_used_again_last(model, cache, monkeypatch):
     """Loading a file marks it used: under the limit's pressure the file kept longest ago goes first."""
     settings = dict(model=str(model), mode="triforce", temperature=0.0, **FIXED)

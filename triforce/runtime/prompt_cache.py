@@ -14,8 +14,9 @@ goes on exactly as after a prefill: the same tokens, greedy or sampled.
 - Which prompts: Settings.prompt_cache "auto" keeps a prompt whose prefill took PROMPT_CACHE_SECONDS
   or more (a shorter one costs less to compute again than to keep), "on" every one, "off" none and
   loads none.
-- How much: the folder stays within LIMIT_BYTES, the least recently used files removed first; no file
-  is written that would leave the disk less than RESERVE_BYTES.
+- How much: the folder stays within 16 GiB ($TRIFORCE_PROMPT_CACHE_GIB sets another limit: limit_bytes),
+  the least recently used files removed first; no file is written that would leave the disk less
+  than RESERVE_BYTES.
 - Tensor parallelism: each rank keeps its own shard; a run loads only when every rank can, and keeps
   when rank 0 decides to.
 """
@@ -29,11 +30,13 @@ from pathlib import Path
 
 import torch
 
+from triforce.model.errors import UserError
 from triforce.model.files import cache_home
 from triforce.speculative import kvfile
 
 PROMPT_CACHE_SECONDS = 1.0
 LIMIT_BYTES = 16 << 30
+LIMIT_VARIABLE = "TRIFORCE_PROMPT_CACHE_GIB"  # another limit, in GiB (limit_bytes)
 RESERVE_BYTES = 1 << 30
 
 
@@ -138,13 +141,31 @@ def keep(session, gen) -> Path | None:
     return path
 
 
+def limit_bytes() -> int:
+    """The folder's limit: $TRIFORCE_PROMPT_CACHE_GIB gibibytes, else LIMIT_BYTES. A 7B model's K/V at
+    128K tokens take about 64 GiB, over the default, which is sized for a laptop's disk."""
+    value = os.environ.get(LIMIT_VARIABLE)
+    if not value:
+        return LIMIT_BYTES
+    try:
+        gib = float(value)
+        if gib < 0:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"{LIMIT_VARIABLE}={value!r} is not a size in GiB; set a number such as 64, or unset it "
+                        f"for the default {_gib(LIMIT_BYTES)}") from None
+    return int(gib * 2**30)
+
+
 def no_room(path: Path, size: int) -> str | None:
     """Why `size` bytes cannot be kept at `path` (over the folder's limit, or the disk's room once the
     least recently used files made way), or None when they can; OSError where the folder cannot be made."""
-    if size > LIMIT_BYTES:
-        return f"{_gib(size)} is over the prompt cache's {_gib(LIMIT_BYTES)}"
+    limit = limit_bytes()
+    if size > limit:
+        return (f"{_gib(size)} is over the prompt cache's {_gib(limit)} "
+                f"({LIMIT_VARIABLE}={-(-size // 2**30) + 1} would keep it)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    make_room(path.parent, LIMIT_BYTES - size)
+    make_room(path.parent, limit - size)
     if shutil.disk_usage(path.parent).free < size + RESERVE_BYTES:
         return f"{_gib(size)} would leave {path.parent} short of space"
     return None
