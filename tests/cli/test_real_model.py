@@ -121,16 +121,14 @@ def test_2000_tokens_at_16k_stay_lossless():
 
 def test_a_reused_prompt_prefix_leaves_the_cache_a_whole_prefill_leaves(tmp_path, monkeypatch):
     """runtime/prefill.py on the real model, in the machine's default dtype: a longer prompt that
-    begins with a kept one reuses its whole prefill pieces, and the file kept after it is the file a
-    prefill from token 0 keeps, bit for bit (its checksum covers every K/V byte, the queries and the
-    logits). Reusing up to the first differing token instead, off the pieces' grid, changed the bits
-    here (session 50): another split of the same prompt rounds otherwise."""
+    begins with a kept one reuses its whole prefill pieces, and the file kept after it (the K/V of the
+    other tokens, joined after the first file's) is the file a prefill from token 0 keeps, bit for bit:
+    every K/V byte, the queries and the logits. Reusing up to the first differing token instead, off
+    the pieces' grid, changed the bits here (session 50): another split of the same prompt rounds
+    otherwise."""
     import triforce
-    from safetensors import safe_open
 
-    def digest(path):
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata()["sha256"]
+    from ..helpers import kept_prompt, same_tensors
 
     text = BOOK.read_text()[60_000:72_000]
     settings = dict(model=str(MODEL), prefill_chunk=1024, max_new_tokens=4, mode="autoregressive",
@@ -142,4 +140,4 @@ def test_a_reused_prompt_prefix_leaves_the_cache_a_whole_prefill_leaves(tmp_path
     monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "whole"))
     whole = triforce.generate(text, **settings)
     assert whole.report["prompt_cache"]["reused"] == 0
-    assert digest(reusing.report["prompt_cache"]["kept"]) == digest(whole.report["prompt_cache"]["kept"])
+    assert same_tensors(kept_prompt(reusing.report["prompt_cache"]["kept"]), kept_prompt(whole.report["prompt_cache"]["kept"]))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import triforce
 from triforce.runtime import prompt_cache
@@ -113,6 +114,32 @@ def test_the_least_recently_used_files_go_first(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["middle.safetensors", "newest.safetensors", "other.json"]
     prompt_cache.make_room(tmp_path, 0)
     assert [p.name for p in tmp_path.iterdir()] == ["other.json"]
+
+
+def test_a_file_others_continue_goes_after_them(tmp_path):
+    """A kept prompt that another continues (kvfile.save's `after`) counts as used when that one was,
+    and is removed only after it: no file is left naming a removed one."""
+    from triforce.speculative import kvfile
+
+    def kept(name, age, after=None, tokens=100):
+        path = tmp_path / f"{name}.safetensors"
+        key = {"continues": [f"{after}.safetensors", 50]} if after else {}
+        kvfile.save_tensors(path, {"k": torch.zeros(tokens, dtype=torch.int64)}, key)
+        os.utime(path, (1e9 - age, 1e9 - age))
+        return path
+
+    document = kept("document", age=10)  # kept long ago, continued by the newest question
+    other = kept("other", age=5)
+    question = kept("question", age=0, after="document", tokens=10)
+    assert prompt_cache.linked_files(question) == [question, document]
+    size = {p: p.stat().st_size for p in (document, other, question)}
+    prompt_cache.make_room(tmp_path, size[document] + size[question])
+    assert sorted(tmp_path.iterdir()) == [document, question]  # the unlinked "other" was the least recently used
+    prompt_cache.make_room(tmp_path, size[document])
+    assert sorted(tmp_path.iterdir()) == [document]  # the question before the document it continues
+    kept("question", age=0, after="document", tokens=10)
+    prompt_cache.make_room(tmp_path, 0, spare=[document])
+    assert sorted(tmp_path.iterdir()) == [document]
 
 
 def test_a_prompt_over_the_limit_is_said_and_the_variable_raises_it(model, cache, monkeypatch, caplog):

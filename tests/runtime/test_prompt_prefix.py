@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors import safe_open
 
 import triforce
 from triforce.runtime import prefill as prefill_module
 from triforce.runtime import prompt_cache
+from triforce.speculative import kvfile
 
 from ..conftest import tiny_with_tokenizer
-from ..helpers import run
+from ..helpers import kept_prompt, run, same_tensors
 from .test_prompt_cache import FIXED, kept_files
 
 PIECE = 64
@@ -30,12 +30,6 @@ QUESTIONS = (" t5 t9 t7 t5", " t8 t8 t6 t4 t12 t30")
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return tiny_with_tokenizer(tmp_path_factory, "prompt-prefix", seed=21)
-
-
-def digest(path) -> str:
-    """The file's checksum over its key and every byte: equal digests, equal K/V, queries and logits."""
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata()["sha256"]
 
 
 @pytest.mark.parametrize("mode, sampling", [
@@ -54,12 +48,19 @@ def test_another_question_after_a_kept_document_reuses_its_pieces(model, cache, 
     assert asked.report["prompt_cache"]["loaded"] is None and asked.report["prompt_cache"]["kept"]
     fresh = triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="off", **settings)
     assert asked.tokens == fresh.tokens
-    # bit for bit: the file kept after reusing equals the one a prefill from token 0 keeps
+    # bit for bit: the file kept after reusing, joined after the document's, is the one a prefill from
+    # token 0 keeps; it holds only the question's tokens, and loads to the same tokens
     monkeypatch.setenv("TRIFORCE_CACHE", str(tmp_path / "elsewhere"))
     whole = triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="on", **settings)
     assert whole.report["prompt_cache"]["reused"] == 0
-    assert digest(whole.report["prompt_cache"]["kept"]) == digest(asked.report["prompt_cache"]["kept"])
+    kept = Path(asked.report["prompt_cache"]["kept"])
+    assert same_tensors(kept_prompt(kept), kept_prompt(whole.report["prompt_cache"]["kept"]))
+    assert kvfile.continues(kept) == (Path(document.report["prompt_cache"]["kept"]), reused)
+    assert kept.stat().st_size < Path(whole.report["prompt_cache"]["kept"]).stat().st_size / 5
     assert document.report["prompt_cache"]["reused"] == 0
+    monkeypatch.setenv("TRIFORCE_CACHE", str(kept.parents[1]))
+    loaded = triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="on", **settings)
+    assert str(loaded.report["prompt_cache"]["loaded"]) == str(kept) and loaded.tokens == fresh.tokens
 
 
 def test_only_whole_pieces_of_most_of_a_kept_prompt_are_reused(model, cache):
@@ -77,6 +78,44 @@ def test_only_whole_pieces_of_most_of_a_kept_prompt_are_reused(model, cache):
     assert triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="on", **other).report["prompt_cache"]["reused"] == 0
     off = triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="off", **settings)
     assert off.report["prompt_cache"] == {"loaded": None, "kept": None, "reused": 0}
+
+
+def test_a_kept_question_names_the_file_its_first_tokens_come_from(model, cache):
+    """A third question continues the document, not the second question's file (whose own tokens it
+    does not share); a document that grew twice makes a chain of two links, which loads to the tokens
+    a prefill makes."""
+    settings = dict(model=str(model), mode="triforce", temperature=0.0, prefill_chunk=PIECE, **FIXED)
+    kept = [Path(triforce.generate(DOCUMENT + q, prompt_cache="on", **settings).report["prompt_cache"]["kept"])
+            for q in (QUESTIONS[0], QUESTIONS[1], " t3 t3 t3", " t4 t4", " t6")]
+    assert kvfile.continues(kept[0]) is None
+    assert [kvfile.continues(f)[0] for f in kept[1:]] == [kept[0]] * 4
+    grown = [DOCUMENT, DOCUMENT + " " + DOCUMENT, DOCUMENT + " " + DOCUMENT + " " + DOCUMENT + QUESTIONS[0]]
+    files = [Path(triforce.generate(text, prompt_cache="on", **settings).report["prompt_cache"]["kept"]) for text in grown]
+    # the document alone and the grown one share no more than the first question's file holds
+    assert [kvfile.continues(f)[0] for f in files] == [kept[0], kept[0], files[1]]
+    assert prompt_cache.linked_files(files[2]) == [files[2], files[1], kept[0]]
+    loaded = triforce.generate(grown[2], prompt_cache="on", **settings)
+    assert str(loaded.report["prompt_cache"]["loaded"]) == str(files[2])
+    assert loaded.tokens == triforce.generate(grown[2], prompt_cache="off", **settings).tokens
+
+
+def test_a_question_whose_document_is_gone_is_said_and_prefilled(model, cache, caplog, monkeypatch):
+    settings = dict(model=str(model), mode="triforce", temperature=1.0, seed=8, prefill_chunk=PIECE, **FIXED)
+    document = Path(triforce.generate(DOCUMENT + QUESTIONS[0], prompt_cache="on", **settings).report["prompt_cache"]["kept"])
+    asked = triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="on", **settings)
+    document.unlink()
+    with caplog.at_level(logging.WARNING, logger="triforce"):
+        again = triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="on", **settings)
+    assert f"continues {document.name}, which is no longer kept: prefilling it again" in caplog.text
+    assert again.tokens == asked.tokens and again.report["prompt_cache"]["kept"]
+    assert kvfile.continues(again.report["prompt_cache"]["kept"]) is None  # kept whole this time
+    # a document and its question over the folder's limit together: the question is kept whole
+    monkeypatch.setenv("TRIFORCE_CACHE", str(cache.parent / "small"))
+    first = Path(triforce.generate(DOCUMENT + QUESTIONS[0], prompt_cache="on", **settings).report["prompt_cache"]["kept"])
+    monkeypatch.setattr(prompt_cache, "LIMIT_BYTES", first.stat().st_size + 1000)
+    second = triforce.generate(DOCUMENT + QUESTIONS[1], prompt_cache="on", **settings)
+    assert second.report["prompt_cache"]["reused"] and kvfile.continues(second.report["prompt_cache"]["kept"]) is None
+    assert not first.exists() and second.tokens == asked.tokens
 
 
 def test_a_damaged_kept_prompt_is_said_removed_and_computed(model, cache, caplog):
@@ -171,6 +210,9 @@ def test_tensor_parallel_ranks_reuse_the_same_tokens_or_none(model, cache):
     document = kept_files(cache)
     tokens, reusing = generate(DOCUMENT + QUESTIONS[1])
     assert reusing["reused"] >= 4 * PIECE and reusing["kept"]
+    for rank in (0, 1):  # each rank's question continues its own shard of the document
+        question = Path(reusing["kept"].replace("-rank0.", f"-rank{rank}."))
+        assert kvfile.continues(question) == (document[rank], reusing["reused"])
     for path in kept_files(cache):
         if path.name.endswith("-rank1.safetensors"):
             path.unlink()  # rank 1 has neither this prompt nor the document: rank 0 has both

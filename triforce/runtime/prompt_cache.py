@@ -14,8 +14,12 @@ goes on exactly as after a prefill: the same tokens, greedy or sampled.
 - Which prompts: Settings.prompt_cache "auto" keeps a prompt whose prefill took PROMPT_CACHE_SECONDS
   or more (a shorter one costs less to compute again than to keep), "on" every one, "off" none and
   loads none.
+- Another question about a kept document: a prompt whose first tokens were reused from a kept one
+  (runtime/prefill.py) is kept as the K/V of its other tokens, naming that file (kvfile.save's
+  `after`), so many questions take the room of one document, and keeping one writes only its own.
 - How much: the folder stays within 16 GiB ($TRIFORCE_PROMPT_CACHE_GIB sets another limit: limit_bytes),
-  the least recently used files removed first; no file is written that would leave the disk less
+  the least recently used files removed first (a file some other continues counts as used when
+  that one is, and goes after it); no file is written that would leave the disk less
   than RESERVE_BYTES.
 - Tensor parallelism: each rank keeps its own shard; a run loads only when every rank can, and keeps
   when rank 0 decides to.
@@ -114,9 +118,11 @@ def restore(session, gen) -> Path | None:
     return path
 
 
-def keep(session, gen) -> Path | None:
+def keep(session, gen, after: tuple[Path, int] | None = None) -> Path | None:
     """After prefill(session.prompt_ids): write the prompt's state for the next run, if the setting
-    (and under tensor parallelism rank 0) says so and the disk has room; the file, or None."""
+    (and under tensor parallelism rank 0) says so and the disk has room; the file, or None. `after`
+    (file, tokens): the prefill reused that kept prompt's first tokens, so only the others are
+    written, with a link to it (kvfile.save), unless it and they together are over the limit."""
     setting = session.run.prompt_cache
     wanted = setting == "on" or setting == "auto" and gen.stats.prefill_seconds >= PROMPT_CACHE_SECONDS
     if session.dist is not None:
@@ -124,19 +130,24 @@ def keep(session, gen) -> Path | None:
     if not wanted or gen.prompt_logits is None:
         return None
     path, key = prompt_entry(session)
-    size = gen.full.cache.shape.bytes_per_token * len(session.prompt_ids)
+    per_token, tokens = gen.full.cache.shape.bytes_per_token, len(session.prompt_ids)
+    chain = linked_files(after[0]) if after else []
+    if after and (not chain or per_token * (tokens - after[1]) + sum(_size(f) for f in chain) > limit_bytes()):
+        after, chain = None, []  # its first tokens' file is gone, or the two are over the limit: keep it whole
+    size = per_token * (tokens - (after[1] if after else 0))
     try:
-        full = no_room(path, size)
+        full = no_room(path, size, spare=chain)
         if full:
             say(session, f"not keeping the prefilled prompt: {full}")
             return None
         start = time.perf_counter()
-        kvfile.save(path, gen, session.prompt_ids, kvfile.last_queries(gen), key, logits=gen.prompt_logits)
+        kvfile.save(path, gen, session.prompt_ids, kvfile.last_queries(gen), key, logits=gen.prompt_logits, after=after)
         keep_window(session, gen.drafter_window(), path, key)
     except OSError as e:
         say(session, f"could not keep the prefilled prompt ({e}); the next run prefills it again")
         return None
-    say(session, f"kept the prefilled prompt in {path} ({_gib(size)}, {time.perf_counter() - start:.1f} s): "
+    what = f"the {tokens - after[1]:,} tokens after those of {after[0].name}, " if after else ""
+    say(session, f"kept the prefilled prompt in {path} ({what}{_gib(size)}, {time.perf_counter() - start:.1f} s): "
                   "the next run of this prompt skips its prefill (Settings.prompt_cache off: neither)")
     return path
 
@@ -157,15 +168,16 @@ def limit_bytes() -> int:
     return int(gib * 2**30)
 
 
-def no_room(path: Path, size: int) -> str | None:
+def no_room(path: Path, size: int, spare=()) -> str | None:
     """Why `size` bytes cannot be kept at `path` (over the folder's limit, or the disk's room once the
-    least recently used files made way), or None when they can; OSError where the folder cannot be made."""
+    least recently used files but `spare` made way), or None when they can; OSError where the folder
+    cannot be made."""
     limit = limit_bytes()
     if size > limit:
         return (f"{_gib(size)} is over the prompt cache's {_gib(limit)} "
                 f"({LIMIT_VARIABLE}={-(-size // 2**30) + 1} would keep it)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    make_room(path.parent, limit - size)
+    make_room(path.parent, limit - size, spare)
     if shutil.disk_usage(path.parent).free < size + RESERVE_BYTES:
         return f"{_gib(size)} would leave {path.parent} short of space"
     return None
@@ -209,21 +221,50 @@ def keep_window(session, window: dict | None, path: Path, key: dict) -> None:
         pass  # the next load computes it, as before
 
 
-def make_room(folder: Path, room: int) -> None:
+def make_room(folder: Path, room: int, spare=()) -> None:
     """Remove kept prompts (and checkpoints of interrupted prefills: runtime/prefill.py), least
-    recently used first, until those left take at most `room` bytes."""
-    files = []
+    recently used first, until those left take at most `room` bytes; never the files in `spare`. A
+    file that others continue (kvfile.save's `after`) counts as used when the latest of them was,
+    and goes after them: none is left naming a removed file."""
+    files, parents = {}, {}
     for f in [*folder.glob("*.safetensors"), *folder.glob("*.partial/*.safetensors")]:
         try:
-            files.append((f.stat().st_mtime, f.stat().st_size, f))
+            files[f] = [f.stat().st_mtime, f.stat().st_size, 0]  # used, bytes, files it continues
         except OSError:  # removed meanwhile (another rank, another run)
             pass
-    total = sum(size for _, size, _ in files)
-    for _, size, f in sorted(files):
+    for f in files:
+        if f.parent == folder and ".window-" not in f.name:
+            parents[f] = [link for link in linked_files(f)[1:] if link in files]
+    for f, links in parents.items():
+        files[f][2] = len(links)
+        for link in links:
+            files[link][0] = max(files[link][0], files[f][0])
+    total = sum(size for _, size, _ in files.values())
+    spare = set(spare)
+    for f, (_, size, _) in sorted(files.items(), key=lambda item: (item[1][0], -item[1][2])):
         if total <= room:
             break
-        f.unlink(missing_ok=True)
-        total -= size
+        if f not in spare:
+            f.unlink(missing_ok=True)
+            total -= size
+
+
+def linked_files(path: Path) -> list[Path]:
+    """The kept prompt `path` and those it continues, nearest first, as far as they exist; [] where
+    it does not."""
+    chain = []
+    while path is not None and path.exists() and path not in chain and len(chain) <= kvfile.MAX_LINKS:
+        chain.append(path)
+        link = kvfile.continues(path)
+        path = link[0] if link else None
+    return chain
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def describe(cache: dict, setting: str) -> str:

@@ -17,6 +17,11 @@ tensor byte. A file whose key differs, whose checksum fails or that does not par
 used: `load` raises `CacheInvalid` and the caller prefills again. Writes go to a temporary file
 in the same folder and are renamed into place (os.replace), so a crash leaves no half file.
 
+A kept prompt may hold only the tokens after another's (save's `after`: a second question about a
+document kept with the first): its key names that file and how many of its tokens come first, and
+loading reads that file's first, then its own. Links never loop (each file was kept after the one
+it names) and are followed at most MAX_LINKS deep.
+
 Checkpoints (`Checkpoints`) are files of the same format in a folder beside the final file, one per
 stretch of prefilled tokens [start, end), each keyed by the caller's key and the prompt up to its
 end. A restart loads the longest valid run of them from token 0, discards the rest, and prefill
@@ -40,6 +45,7 @@ FORMAT = "triforce-kv/1"
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
            torch.int64: "I64"}
 _DIGEST_PLACEHOLDER = "0" * 64
+MAX_LINKS = 64
 
 
 class CacheInvalid(Exception):
@@ -53,15 +59,19 @@ def last_queries(gen: Generator) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------- writing
 def save(path: str | Path, gen: Generator, prompt: list[int], queries: list[torch.Tensor], key: dict,
-         logits: torch.Tensor | None = None) -> int:
+         logits: torch.Tensor | None = None, after: tuple[Path, int] | None = None) -> int:
     """Write the prompt's state atomically; returns the file size in bytes. With `logits` (the
-    prompt's last position), load_prompt can draw the first token again."""
-    n = len(prompt)
+    prompt's last position), load_prompt can draw the first token again. With `after` (file, tokens):
+    the K/V of only the tokens after the first `tokens`, which the kept prompt `file` in the same
+    folder holds (made with the same key but another prompt that begins with them); the key names it."""
+    n, start = len(prompt), 0
+    if after is not None:
+        key, start = key | {"continues": [Path(after[0]).name, after[1]]}, after[1]
     tensors = [("prompt", lambda: torch.tensor(prompt, dtype=torch.int64), (n,), torch.int64),
                ("queries", lambda: torch.stack(queries), (len(queries), *queries[0].shape), queries[0].dtype)]
     if logits is not None:
         tensors.append(("logits", lambda: logits, tuple(logits.shape), logits.dtype))
-    return _write_atomic(Path(path), tensors + _kv_tensors(gen.full.cache, 0, n), key_text(key))
+    return _write_atomic(Path(path), tensors + _kv_tensors(gen.full.cache, start, n), key_text(key))
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], key: dict) -> int:
@@ -148,40 +158,75 @@ def load_prompt(path: str | Path, gen: Generator, key: dict, prompt: list[int]) 
 
 
 def _load(path, gen: Generator, key: dict, prompt: list[int], with_logits: bool):
-    def body(f, digest):
-        if _read(f, "prompt", digest).tolist() != list(prompt):
-            raise CacheInvalid("holds another prompt")
-        queries = _read(f, "queries", digest)
-        logits = _read(f, "logits", digest) if with_logits else None  # in the order save() wrote them
-        _read_kv(f, gen.full.cache, 0, len(prompt), digest)
-        return queries, logits
-
-    queries, logits = _checked(path, key_text(key), body)
+    read = _read_linked(Path(path), gen.full.cache, key, prompt, len(prompt), whole=True)
+    if with_logits and "logits" not in read:
+        raise CacheInvalid("holds no logits")
     gen.full.cache.fill(len(prompt))
-    return [q.to(gen.device) for q in queries.unbind(0)], logits  # safetensors reads to the CPU
+    return [q.to(gen.device) for q in read["queries"].unbind(0)], read.get("logits")  # safetensors reads to the CPU
 
 
 def load_prefix(path: str | Path, gen: Generator, key: dict, prompt: list[int], upto: int) -> None:
-    """Read the K/V of prompt[:upto] from a file saved (by save) for a prompt that begins with those
-    ids into gen's full cache, which then holds upto tokens (`gen.restored(prompt[:upto])` makes them
-    live; prefill continues after them). The whole file is read, as its checksum covers every byte:
-    worth it where most of it is used. CacheInvalid as `load`."""
-    def body(f, digest):
-        saved = _read(f, "prompt", digest)
-        if saved.shape[0] < upto or saved[:upto].tolist() != list(prompt[:upto]):
-            raise CacheInvalid(f"does not begin with this prompt's first {upto} tokens")
-        for name in ("queries", "logits"):  # in the order save() wrote them; unused here
-            if name in f.keys():
-                _read(f, name, digest)
-        _read_kv(f, gen.full.cache, 0, saved.shape[0], digest, upto=upto)
-
-    _checked(path, key_text(key), body)
+    """Read the K/V of prompt[:upto] into gen's full cache from a file saved (by save) for a prompt
+    that begins with those ids, made with `key` but for its prompt; the cache then holds upto tokens
+    (`gen.restored(prompt[:upto])` makes them live; prefill continues after them). The whole file is
+    read, as its checksum covers every byte: worth it where most of it is used. CacheInvalid as `load`."""
+    _read_linked(Path(path), gen.full.cache, key, prompt, upto, whole=False)
     gen.full.cache.fill(upto)
 
 
-def _checked(path: str | Path, key: str, body):
-    """body(file, digest) over a file whose format and key are right; CacheInvalid unless the
-    digest of the key and of every byte body read matches the stored one."""
+def continues(path: str | Path) -> tuple[Path, int] | None:
+    """(file, tokens) that a kept prompt saved with save's `after` continues, read from its header;
+    None for a whole one (or a file that cannot be read: its load says why)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            link = json.loads((f.metadata() or {}).get("key") or "{}").get("continues")
+        return (Path(path).with_name(Path(link[0]).name), int(link[1])) if link else None
+    except Exception:
+        return None
+
+
+def _read_linked(path: Path, cache, key: dict, prompt: list[int], upto: int, whole: bool, links: int = 0) -> dict:
+    """Read prompt[:upto]'s K/V into the cache from the kept prompt `path` and those it continues
+    (each checked whole); its tensors other than K/V by name. `whole`: the file is prompt's, made with
+    `key`; else any prompt's that begins with prompt[:upto], made with `key` but its prompt."""
+    if links > MAX_LINKS:
+        raise CacheInvalid(f"continues more than {MAX_LINKS} kept prompts")
+    base = _run_text(key, whole)
+    link = None
+
+    def body(f, digest):
+        nonlocal link
+        link = json.loads(f.metadata()["key"]).get("continues")
+        start = int(link[1]) if link else 0
+        read = {name: _read(f, name, digest) for name in ("prompt", "queries", "logits") if name in f.keys()}
+        saved = read["prompt"]  # in the order save() wrote them
+        if whole and saved.tolist() != list(prompt):
+            raise CacheInvalid("holds another prompt")
+        if saved.shape[0] < upto or saved[:upto].tolist() != list(prompt[:upto]):
+            raise CacheInvalid(f"does not begin with this prompt's first {upto} tokens")
+        _read_kv(f, cache, start, saved.shape[0], digest, upto=max(upto, start))
+        return read
+
+    read = _checked(path, key_text(key), body, same=lambda stored: _run_text(json.loads(stored), whole) == base)
+    if link:
+        parent = path.with_name(Path(link[0]).name)
+        if not parent.exists():
+            raise CacheInvalid(f"continues {parent.name}, which is no longer kept")
+        _read_linked(parent, cache, key, prompt, min(upto, int(link[1])), whole=False, links=links + 1)
+    return read
+
+
+def _run_text(key: dict, whole: bool) -> str:
+    """A key's text without its link to another file, and, unless `whole`, without its prompt."""
+    return key_text({k: v for k, v in key.items() if k != "continues" and (whole or k != "prompt")})
+
+
+def _checked(path: str | Path, key: str, body, same=None):
+    """body(file, digest) over a file whose format and key are right (its key's text is `key`, or
+    same(its key's text) holds); CacheInvalid unless the digest of the stored key and of every byte
+    body read matches the stored one."""
     from safetensors import safe_open
 
     try:
@@ -189,9 +234,10 @@ def _checked(path: str | Path, key: str, body):
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 raise CacheInvalid(f"has format {meta.get('format')!r}, not {FORMAT}")
-            if meta.get("key") != key:
+            stored = meta.get("key")
+            if not (same(stored) if same and stored else stored == key):
                 raise CacheInvalid("was made for another model, book or setting")
-            digest = hashlib.sha256(key.encode())
+            digest = hashlib.sha256(stored.encode())
             result = body(f, digest)
             if digest.hexdigest() != meta.get("sha256"):
                 raise CacheInvalid("is corrupt (checksum mismatch)")
@@ -219,7 +265,8 @@ def _read_kv(f, cache, start: int, end: int, digest, upto: int | None = None) ->
         for name, t in ((f"k.{layer}", k), (f"v.{layer}", v)):
             if tuple(t.shape) != expected or t.dtype != shape.dtype:
                 raise CacheInvalid(f"has {name} of {tuple(t.shape)} {t.dtype}, expected {expected} {shape.dtype}")
-        cache.write(layer, start, k[:, :upto - start], v[:, :upto - start])
+        if upto > start:
+            cache.write(layer, start, k[:, :upto - start], v[:, :upto - start])
 
 
 def file_digest(path: str | Path) -> str:
