@@ -32,7 +32,7 @@ def test_a_log_file_gets_a_line_per_period(monkeypatch):
 
 def test_resumed_tokens_count_toward_the_progress(monkeypatch):
     lines = logged(monkeypatch, every=0.0, done=500)
-    assert lines[0] == "prefill: 500 tokens after 500 resumed ..."
+    assert lines[0] == "prefill: 500 tokens after 500 loaded ..."
     assert lines[1].startswith("prefill: 750 of 1,000 tokens (75%)")
 
 

@@ -184,7 +184,7 @@ def test_the_command_line_shows_the_reused_tokens(model, cache):
     reused, total = report["prompt_cache"]["reused"], report["prompt_tokens"]
     said = " ".join(second.stderr.split())
     assert f"note: reusing the first {reused:,} of {total:,} prompt tokens from the kept prompt" in said
-    assert f"prefill: {total - reused:,} tokens after {reused:,} resumed" in said  # the log's bar: only what is computed
+    assert f"prefill: {total - reused:,} tokens after {reused:,} loaded" in said  # the log's bar: only what is computed
     third = run("generate", *args, "--prompt", DOCUMENT + QUESTIONS[0] + QUESTIONS[1], env=env)
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in third.stdout.splitlines() if line.count("│") == 3}
     assert re.match(r"[0-9,]+ tokens reused from a run before, kept", rows["prompt cache"])  # (the cell wraps)

@@ -226,7 +226,7 @@ class PrefillAdvance:
 def prefill_progress(console, total: int, label: str = "prefill", done: int = 0):
     """A rich progress bar (tokens done / total, tokens/s, time left, time elapsed); returns
     (progress, advance): pass `advance` as the prefill's progress, and to `watch_layers` for a bar
-    that moves within pieces. `done`: tokens already there (resumed from a checkpoint), shown but
+    that moves within pieces. `done`: tokens already there (loaded from checkpoints or a kept prompt), shown but
     not counted in the rate."""
     clock = PrefillClock(done)
     advance = PrefillAdvance(clock, total, label, None if console.is_terminal else console)
@@ -239,7 +239,7 @@ def prefill_progress(console, total: int, label: str = "prefill", done: int = 0)
         # A log file gets no live bar, only the final one; a whole book takes an hour on a CPU, so the
         # log says when the prefill starts and then, once a minute, how far it is and how long is left.
         console.print(f"{label}: {total - done:,} tokens ..." if not done else
-                      f"{label}: {total - done:,} tokens after {done:,} resumed ...")
+                      f"{label}: {total - done:,} tokens after {done:,} loaded ...")
     return progress, advance
 
 
