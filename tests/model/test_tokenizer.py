@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from triforce.model.loader import load_tokenizer
+from triforce.model import tokenizer as tokenizer_module
 from triforce.model.tokenizer import Tokenizer, load_light
 
 from ..conftest import save_byte_level, save_tokenizer
@@ -153,6 +154,7 @@ def test_a_kept_backend_serves_only_the_files_it_was_built_from(folders, tmp_pat
     assert not isinstance(changed, Tokenizer) and changed.eos_token == "<|endoftext|>"
     assert isinstance(load_tokenizer(folder), Tokenizer)
     remembered_path(folder).write_text('{"backend": "not a tokenizer", "clean_up_spaces": false}')
+    tokenizer_module._BACKENDS.clear()  # a later process's start: the file is read again
     assert not isinstance(load_tokenizer(folder), Tokenizer)  # a kept file that does not read back
 
     class OwnDecode(Qwen2Tokenizer):
@@ -164,6 +166,28 @@ def test_a_kept_backend_serves_only_the_files_it_was_built_from(folders, tmp_pat
     (other / "tokenizer_config.json").write_text(config.read_text().replace("<|endoftext|>", "<|im_start|>", 1))
     remember(other, OwnDecode.from_pretrained(str(other)))
     assert not remembered_path(other).exists()
+
+
+@pytest.mark.parametrize("name", ["byte-level", "qwen2-class"])
+def test_a_process_parses_a_folders_tokenizer_once(folders, tmp_path, name):
+    """Later loads of the same files in a process (the Python API's later runs) share the parsed
+    backend but not the wrapper, so a caller's changes to its tokenizer stay its own; changed files
+    are parsed again."""
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(folders[name], folder)
+    load_tokenizer(folder)  # qwen2-class: transformers builds it, and its backend is remembered
+    first, second = load_tokenizer(folder), load_tokenizer(folder)
+    assert isinstance(first, Tokenizer) and first is not second and first.backend is second.backend
+    first.full.add_special_tokens({"additional_special_tokens": ["<|new|>"]})
+    assert "<|new|>" not in second.full.get_vocab()
+    assert second.encode(TEXTS[1], add_special_tokens=False) == transformers_tokenizer(folder).encode(
+        TEXTS[1], add_special_tokens=False)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 1234}))
+    changed = load_tokenizer(folder)
+    assert getattr(changed, "backend", None) is not first.backend and changed.model_max_length == 1234
 
 
 def test_a_run_encodes_and_decodes_without_importing_transformers(folders):

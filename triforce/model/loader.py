@@ -132,9 +132,9 @@ def load_tokenizer(folder: str | Path):
     `tokenizer.Tokenizer`, which encodes and decodes without importing transformers."""
     import os
 
-    from .tokenizer import load_light, load_remembered, remember
+    from .tokenizer import load_served, remember
 
-    light = load_light(folder) or load_remembered(folder)
+    light = load_served(folder)
     if light is not None:
         return light
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

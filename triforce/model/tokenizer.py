@@ -151,9 +151,9 @@ def _specials_in_place(declared: dict, spec: dict) -> bool:
 # nothing to TokenizersBackend but their constructor: then transformers' own encode and decode are
 # TokenizersBackend's over that backend, which the `Tokenizer` class makes.
 
-def files_digest(folder: str | Path) -> str:
-    """sha256 over the folder's tokenizer files (names and bytes) and the versions of the libraries that
-    read them: ~25 ms for Qwen's 11 MB, remembered per version of the files within a process."""
+def files_stamp(folder: str | Path) -> tuple:
+    """The folder and its tokenizer files' names, sizes, times and inodes: a version of the files, known
+    without reading them, to remember what a process computed from them."""
     folder = Path(folder)
     stamp = []
     for name in FILES:
@@ -162,10 +162,17 @@ def files_digest(folder: str | Path) -> str:
         except OSError:
             continue
         stamp.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
-    key = (str(folder.resolve()), tuple(stamp))
+    return str(folder.resolve()), tuple(stamp)
+
+
+def files_digest(folder: str | Path) -> str:
+    """sha256 over the folder's tokenizer files (names and bytes) and the versions of the libraries that
+    read them: ~25 ms for Qwen's 11 MB, remembered per version of the files within a process."""
+    folder = Path(folder)
+    key = files_stamp(folder)
     if key not in _DIGESTS:
         h = hashlib.sha256()
-        for name, *_ in stamp:
+        for name, *_ in key[1]:
             data = (folder / name).read_bytes()
             h.update(f"{name}:{len(data)}:".encode())
             h.update(data)
@@ -179,6 +186,23 @@ def files_digest(folder: str | Path) -> str:
 
 
 _DIGESTS: dict = {}
+_BACKENDS: dict = {}  # files_stamp -> (backend, clean_up_spaces) of a Tokenizer this process loaded
+
+
+def load_served(folder: str | Path) -> Tokenizer | None:
+    """load_light(folder) or load_remembered(folder), the backend parsed once per version of the files
+    in a process: the Python API's later runs of a model skip its parse (0.18 s of each of SmolLM2's:
+    tokenizer.json read as JSON to check its special tokens, then by `tokenizers`). Each call gets a
+    Tokenizer of its own (what a caller changes in its transformers tokenizer stays there); they share
+    the `tokenizers` object, which encode sets up before every call."""
+    stamp = files_stamp(folder)
+    if stamp in _BACKENDS:
+        backend, clean = _BACKENDS[stamp]
+        return Tokenizer(backend, Path(folder), clean)
+    tokenizer = load_light(folder) or load_remembered(folder)
+    if tokenizer is not None:
+        _BACKENDS[stamp] = (tokenizer.backend, tokenizer._clean_up_spaces)
+    return tokenizer
 
 
 def remembered_path(folder: str | Path) -> Path:
