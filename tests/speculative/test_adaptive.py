@@ -358,6 +358,29 @@ def test_a_restored_chooser_predicts_as_the_one_it_came_from_and_tries_nothing_f
     assert 1.0 < restored.costs.estimate("verify", 1) < 2.0
 
 
+def test_a_restored_chooser_counts_the_time_since_each_mode_last_ran_before():
+    """What a run kept says how long ago (passes, decoding seconds) each mode last ran there, so that
+    short runs one after another probe a mode as one long run would: restored long idle, a mode
+    behind the best is probed right after the warm-up; restored just run, it is not."""
+    learned = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
+    teach(learned, verify=lambda n: 1.0 + 0.001 * n, draft=0.005, middle=0.05,
+          accept={"draft->middle": 0.75, "draft->verify": 0.25, "middle->verify": 0.75})
+    state = json.loads(json.dumps(learned.state()))
+    assert set(state["idle"]) == set(SUB_MODES["triforce"])
+
+    def after_warm_up(idle: dict) -> Plan:
+        chooser = Chooser(SUB_MODES["triforce"], gamma1=2, gamma2=6)
+        chooser.restore({**state, "idle": idle})
+        for _ in range(Chooser.WARM_PASSES):
+            chooser.choose()
+        return chooser.choose()
+
+    fresh = {m: [0, 0.0] for m in SUB_MODES["triforce"]}
+    assert after_warm_up(fresh) == Plan("triforce", 6)
+    assert after_warm_up({**fresh, "retrieval": [500, 1000.0]}) == Plan("retrieval", 6)
+    assert after_warm_up({}) == Plan("triforce", 6)  # a state kept before idle times were: as just run
+
+
 @pytest.mark.parametrize("state", [{}, {"costs": {"verify": {"x": 1.0}}, "acceptance": {}, "overhead": {}, "probe_loss": {}},
                                    {"costs": {}, "acceptance": {"middle->verify": [[1]]}, "overhead": {}, "probe_loss": {}},
                                    {"costs": [], "acceptance": {}, "overhead": {}, "probe_loss": {}}])

@@ -95,7 +95,7 @@ def run_generation(session, on_tokens=None, on_text=None, on_prefill=None, watch
     levels its mode proposes with, prefill, generate. The command line's `generate` is this.
     `watch_prefill(model)`: a context manager around the prefill given the model it runs (the
     command line's bar watches its layers, to move within a long piece)."""
-    from . import prompt_cache
+    from . import learned, prompt_cache
     from .prefill import prefill
 
     cfg = session.plan_generation()
@@ -104,6 +104,7 @@ def run_generation(session, on_tokens=None, on_text=None, on_prefill=None, watch
     session.prompt_cache = {"loaded": prompt_cache.restore(session, gen), "kept": None, "reused": 0}
     if session.prompt_cache["loaded"] is None:
         _, session.prompt_cache["kept"] = prefill(session, gen, on_prefill, watch_prefill)
+    learned_file = learned.start_for_prompt(session, gen)
     stream = StreamingText(session.tokenizer)
 
     def committed(tokens, levels):
@@ -114,6 +115,8 @@ def run_generation(session, on_tokens=None, on_text=None, on_prefill=None, watch
             on_text(piece)
 
     tokens = gen.generate(on_tokens=committed)
+    if learned_file is not None:
+        learned.save(learned_file, gen, learned.threads())
     rest = stream.rest()
     if on_text and rest:
         on_text(rest)

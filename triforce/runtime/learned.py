@@ -1,4 +1,4 @@
-"""What an adaptive chat learned about its modes, kept beside the book's saved cache.
+"""What an adaptive run learned about its modes, kept beside a chat's saved book or a kept prompt.
 
 A chat's chooser (speculative/adaptive.py) starts knowing nothing: the first answer tries every mode
 once, and on a 2-core CPU that cost the first answer about a tenth of its speed (Qwen2.5-Coder-1.5B
@@ -7,15 +7,22 @@ costs, acceptance and round overheads it measured belong to this model, book, ma
 all of which the saved cache's name already stands for, so they are kept in a small JSON file beside
 it and the next start on the same book begins from them. Nothing here changes the output: the
 chooser only picks which lossless mode runs each full pass.
+
+`triforce generate` and the Python API do the same beside a kept prompt (runtime/prompt_cache.py):
+a later run of the prompt, or of another that continues it (a question after a kept document),
+starts from what the last one learned instead of trying every mode once.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from triforce.model.files import write_whole
+import torch
 
-VERSION = 1
+from triforce.model.files import write_whole
+from triforce.speculative import kvfile
+
+VERSION = 2  # 2: sampling and budget in the fingerprint
 
 
 def state_path(cache_file: Path) -> Path:
@@ -23,11 +30,13 @@ def state_path(cache_file: Path) -> Path:
 
 
 def fingerprint(gen, threads: int) -> dict:
-    """What the learned figures depend on besides the saved cache's key: the plans the chooser weighs
-    and how the rounds run."""
+    """What the learned figures depend on besides the saved cache's key: the plans the chooser weighs,
+    how the rounds run, and what sets the middle level's cost and every edge's acceptance (the
+    retrieval budget, the sampling)."""
     cfg = gen.cfg
     return {"version": VERSION, "modes": list(gen.modes), "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
-            "device_rounds": gen.device_rounds, "threads": threads}
+            "device_rounds": gen.device_rounds, "threads": threads, "budget": cfg.budget,
+            "sampling": [cfg.temperature, cfg.top_p, cfg.top_k]}
 
 
 def save(path: Path, gen, threads: int) -> None:
@@ -52,3 +61,27 @@ def load(path: Path, gen, threads: int) -> bool:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False  # restore() changes nothing before the data has parsed
     return True
+
+
+def threads() -> int:
+    """The threads the figures were timed with (torch's, which a run sets)."""
+    return torch.get_num_threads()
+
+
+def start_for_prompt(session, gen) -> Path | None:
+    """Start gen's chooser from what the last run of session's kept prompt learned, else from what the
+    last run of the kept prompt it continues learned (a question after a document: kvfile.save's
+    `after`), saying so; the file to keep this run's figures in, or None where the prompt is not kept
+    or the run not adaptive."""
+    kept = session.prompt_cache["loaded"] or session.prompt_cache["kept"]
+    if gen.chooser is None or kept is None:
+        return None
+    own = state_path(Path(kept))
+    link = kvfile.continues(kept)
+    for path, whose in ((own, "the last run of this prompt"), (link and state_path(link[0]), "the last run of the prompt it continues")):
+        if path is not None and load(path, gen, threads()):
+            if session.is_main:
+                session.say(f"starting from what {whose} learned of each mode's speed ({path.name}; a run that "
+                            "differs in settings or threads learns afresh)")
+            break
+    return own

@@ -38,6 +38,8 @@ from triforce.model.errors import UserError
 from triforce.model.files import cache_home
 from triforce.speculative import kvfile
 
+from . import learned
+
 PROMPT_CACHE_SECONDS = 1.0
 LIMIT_BYTES = 16 << 30
 LIMIT_VARIABLE = "TRIFORCE_PROMPT_CACHE_GIB"  # another limit, in GiB (limit_bytes)
@@ -246,6 +248,7 @@ def make_room(folder: Path, room: int, spare=()) -> None:
             break
         if f not in spare:
             f.unlink(missing_ok=True)
+            learned.state_path(f).unlink(missing_ok=True)  # what runs of that prompt learned (if any)
             total -= size
 
 

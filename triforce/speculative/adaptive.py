@@ -558,21 +558,26 @@ class Chooser:
 
     def state(self) -> dict:
         """What this chooser learned, as JSON-able data: each level's pass costs by width, each
-        edge's recent verifications, each mode's round overhead and what its probes lost."""
+        edge's recent verifications, each mode's round overhead and what its probes lost, and how
+        long ago (passes, decoding seconds) each mode last ran."""
+        idle = {m: [self.passes - self.last_used[m], self.elapsed - self.last_time[m]]
+                for m in self.modes if self.last_used[m] is not None}
         return {"costs": {level: {str(n): s for n, s in widths.items()} for level, widths in self.costs.mean.items()},
                 "acceptance": {edge: [list(v) for v in history] for edge, history in self.acceptance.recent.items()},
-                "overhead": dict(self.overhead), "probe_loss": dict(self.probe_loss)}
+                "overhead": dict(self.overhead), "probe_loss": dict(self.probe_loss), "idle": idle}
 
     def restore(self, state: dict) -> None:
         """Start from what an earlier run learned (`state()`), as if every mode had been tried: the
         first passes go to the plan those figures price cheapest, and the others come back as probes
-        when due. A restored cost stands only until two fresh passes of that width replace it
+        when due, counting the passes and seconds since each last ran in that run (so that short runs
+        one after another still probe, as one long run would). A restored cost stands only until two fresh passes of that width replace it
         (PassCosts): the machine may be busier now, and the first pass after a load is a warm-up.
         Malformed data raises (ValueError, TypeError, KeyError, AttributeError) before anything changes."""
         costs = {level: {int(n): float(s) for n, s in widths.items()} for level, widths in state["costs"].items()}
         history = {edge: [(int(a), int(f)) for a, f in pairs] for edge, pairs in state["acceptance"].items()}
         overhead = {m: float(v) for m, v in state["overhead"].items() if m in self.modes}
         probe_loss = {m: float(v) for m, v in state["probe_loss"].items() if m in self.modes}
+        idle = {m: (int(p), float(t)) for m, (p, t) in state.get("idle", {}).items() if m in self.modes}
         for level, widths in costs.items():
             for tokens, seconds in widths.items():
                 self.costs.assume(level, tokens, seconds)
@@ -581,7 +586,8 @@ class Chooser:
         self.overhead.update(overhead)
         self.probe_loss.update(probe_loss)
         for mode in self.modes:
-            self.last_used[mode], self.last_time[mode] = 0, 0.0
+            passes, seconds = idle.get(mode, (0, 0.0))
+            self.last_used[mode], self.last_time[mode] = -passes, -seconds
 
     def summary(self) -> dict:
         """What the chooser believes now: predicted ms per token of each mode at its best gamma."""
