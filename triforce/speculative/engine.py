@@ -459,8 +459,11 @@ class Generator:
         self.context += new
         self.committed = len(self.context)
         self.full.rollback(self.committed - 1)
-        if self.middle is not None:
-            self._update_middle(n_accepted, proposed if retrieves(mode) else 0)
+        if self.middle is not None and retrieves(mode):
+            self._update_middle(n_accepted, proposed)
+        # else the retrieval cache takes in this round's tokens when a round next proposes from it
+        # (_catch_up_middle), all at once, in the same slots: an adaptive run in plain decoding paid
+        # an absorb per token (0.19 ms of SmolLM2's 11 ms at 4K on a 2-core EPYC)
         if self.chooser is not None:
             self.chooser.finished(mode, time.perf_counter() - start, len(new))
         return new
@@ -539,8 +542,9 @@ class Generator:
         return gamma, proposer.propose(self.seq, c, gamma), None
 
     def _catch_up_middle(self) -> None:
-        """The retrieval cache up to the committed tokens, after queued plain passes left it behind
-        (a truncate, a turn's extend or a resume rebuild it anyway)."""
+        """The retrieval cache up to the committed tokens, after rounds without it (plain, speculative,
+        lookup; queued plain passes) left it behind (a truncate, a turn's extend or a resume rebuild it
+        anyway)."""
         if self.middle is not None and self.middle.held < self.committed - 1:
             self._update_middle(0, 0)
 
