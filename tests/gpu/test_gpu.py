@@ -605,7 +605,7 @@ def test_a_kept_prompt_and_window_load_to_the_same_tokens_on_cuda(tmp_path_facto
 def test_a_reused_prompt_prefix_makes_a_whole_prefills_tokens_on_cuda(tmp_path_factory, monkeypatch, offload):
     """runtime/prefill.py on CUDA: a question after a kept document loads the document's whole prefill
     pieces into the device cache (or the store in host memory), and the run samples what a whole
-    prefill's run samples."""
+    prefill's run samples; the question, kept after the document's file, loads to the same tokens."""
     import triforce
     from ..conftest import tiny_with_tokenizer
 
@@ -619,3 +619,6 @@ def test_a_reused_prompt_prefix_makes_a_whole_prefills_tokens_on_cuda(tmp_path_f
     reusing = triforce.generate(document + " t8 t6 t4", prompt_cache="on", **settings)
     assert reusing.report["prompt_cache"]["reused"] >= 256
     assert reusing.tokens == triforce.generate(document + " t8 t6 t4", prompt_cache="off", **settings).tokens
+    # kept as the question's tokens after the document's file (kvfile.save's `after`): loading reads both
+    loaded = triforce.generate(document + " t8 t6 t4", prompt_cache="on", **settings)
+    assert loaded.report["prompt_cache"]["loaded"] and loaded.tokens == reusing.tokens
