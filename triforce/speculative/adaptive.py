@@ -443,7 +443,9 @@ class Chooser:
         return all(self.costs.known(x) for x in levels) and all(self.acceptance.known(x) for x in edges)
 
     def predict(self, plan: Plan) -> float:
-        return self._once(plan, lambda: self._predict(plan))
+        # keyed by a tuple, whose hash is C's: a Plan's generated __hash__ is a Python call (a choice
+        # looks up 60 keys)
+        return self._once((plan.mode, plan.gamma), lambda: self._predict(plan))
 
     def _predict(self, plan: Plan) -> float:
         return seconds_per_token(plan.mode, plan.gamma, self.gamma1, self.costs.estimate, self.rate,
