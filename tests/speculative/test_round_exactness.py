@@ -22,7 +22,7 @@ from triforce.model.kv import KVShape
 from triforce.model.loader import load_model
 from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.caches import FullCache
-from triforce.speculative.retrieval import RetrievalCache, chunk_scores, plan_selection
+from triforce.speculative.retrieval import RetrievalCache, attention_mass, plan_selection
 from triforce.speculative.sampling import Sampler
 
 from ..conftest import save_tiny
@@ -257,8 +257,8 @@ def selection(full: FullCache, queries, n: int):
     them (selection itself is checked against brute force in test_caches.py)."""
     plans = []
     for layer, q in enumerate(queries):
-        scores = chunk_scores(q, full.chunk_key_means(layer, CHUNK, n // CHUNK))
-        plans.append(plan_selection(n, BUDGET, CHUNK, scores))
+        scores = attention_mass(full, layer, q[None], n // CHUNK, CHUNK)
+        plans.append(plan_selection(n, BUDGET, CHUNK, scores, int(BUDGET * RetrievalCache.RECENT_SHARE)))
     return plans
 
 
@@ -353,7 +353,9 @@ def test_retrieval_slot_accounting(gqa_model):
     full, rc, queries, x = prepared(model, seed=1)
     replaceable = rc.replaceable
     assert (rc.used, rc.length, rc.base, rc.replaced, rc.room()) == (BUDGET, N, N, 0, replaceable)
-    assert replaceable == BUDGET - CHUNK - 2 * CHUNK  # one retrieved chunk: sink 8, tail 16 (last full chunk + 6, padded)
+    # sink 8, a chunk and 2 tokens retrieved, the latest 14 (the last full chunk + 6, from a chunk
+    # boundary): those 14 are what committed tokens replace before a rebuild
+    assert replaceable == CHUNK + N % CHUNK == 14
     assert torch.equal(rc.begin(3), torch.arange(N, N + 3)), "RoPE positions of new tokens are their sequence positions"
     persistent = rc.k[:, :, :BUDGET].clone()
     feed(model, rc, x[:4])
@@ -381,11 +383,12 @@ def test_retrieval_slot_accounting(gqa_model):
                 slot = int(rc.victims[layer, h, i])
                 assert torch.equal(rc.k[layer, h, slot], full.k[layer, h, N + i])
                 assert torch.equal(rc.v[layer, h, slot], full.v[layer, h, N + i])
-    # the victims are the lowest-scoring slots: never the sink chunk or the recent tail
+    # the victims are the latest tokens' slots, oldest first: never the sink or a retrieved chunk
     plans = selection(full, queries, N)
-    for layer, (_, scores, _) in enumerate(plans):
-        assert torch.isfinite(scores.gather(1, rc.victims[layer, :, :replaceable])).all()
-    # out of room: absorbing more than the replaceable slots must refuse, not overwrite the sink/tail
+    for layer, (index, _, _) in enumerate(plans):
+        victims = index.gather(1, rc.victims[layer, :, :replaceable])
+        assert (victims == torch.arange(N - replaceable, N)).all()
+    # out of room: absorbing more than the replaceable slots must refuse, not overwrite the rest
     with pytest.raises(RuntimeError, match="out of room"):
         rc.absorb(full, N + 3 + replaceable)
 
@@ -398,9 +401,9 @@ def test_retrieval_selects_the_planted_chunks():
     """Hand-made keys: per (layer, KV head) three chunks aligned with that head's queries at graded
     strengths, and a fourth, weaker one. With room for exactly three retrieved chunks the cache must
     hold the three strongest and not the fourth, whichever the head."""
-    L, Hkv, rep, D, n, chunk, budget = 2, 2, 2, 8, 128, 8, 40  # picks = (40 - 8 - 8) / 8 = 3
-    # chunk ids per (layer, KV head), strongest first, then the decoy; candidates are chunks 1..14
-    PLANTED = {(0, 0): [1, 11, 7, 3], (0, 1): [6, 12, 2, 9], (1, 0): [4, 13, 8, 10], (1, 1): [9, 14, 5, 2]}
+    L, Hkv, rep, D, n, chunk, budget = 2, 2, 2, 8, 128, 8, 64  # sink 8, latest 32 (chunks 12-15), 3 picks
+    # chunk ids per (layer, KV head), strongest first, then the decoy; candidates are chunks 1..11
+    PLANTED = {(0, 0): [1, 11, 7, 3], (0, 1): [6, 10, 2, 9], (1, 0): [4, 11, 8, 10], (1, 1): [9, 3, 5, 2]}
     shape = KVShape(L, Hkv, D, torch.float64, torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     keys = 0.3 * torch.randn(L, Hkv, n, D, generator=g, dtype=torch.float64)
@@ -424,7 +427,7 @@ def test_retrieval_selects_the_planted_chunks():
     held = held_positions(rc, full, n)
     for layer in range(L):
         for h in range(Hkv):
-            chunks_held = {p // chunk for p in held[layer][h]} - {0, n // chunk - 1}  # minus sink and tail
+            chunks_held = {p // chunk for p in held[layer][h]} - {0, 12, 13, 14, 15}  # minus sink and tail
             assert chunks_held == set(PLANTED[layer, h][:3]), \
                 f"layer {layer} head {h}: retrieved chunks {sorted(chunks_held)}, planted {PLANTED[layer, h][:3]}"
 
@@ -502,9 +505,10 @@ def test_planted_needle_is_retrieved_end_to_end(needle_model):
     assert out == [ANSWER] * 120  # what the target says (the full level verifies every token)
     assert gen.stats.rebuilds >= 3, "the decode-time rebuild path did not run"  # 1 at prefill + 2 in decode
     # While the middle holds the needle its answer has the target's margin of tens, so its proposals
-    # are accepted. Absorb overwrites the needle's chunk last (highest score), after 46 absorbed
-    # tokens, and the middle misses for a round or two until the rebuild picks the needle again:
-    # measured acceptance 0.96 over 120 tokens. Without the needle the middle never proposes ANSWER
-    # (acceptance 0.00 measured with lowest-scoring selection), so 0.9 separates the two.
+    # are accepted. Committed tokens replace the oldest of the latest tokens, never a retrieved chunk,
+    # so the middle holds the needle from build to build: measured acceptance 1.00 over 120 tokens
+    # (0.96 when absorbing overwrote the lowest-scoring chunks, the needle's last, before session 52).
+    # Without the needle the middle never proposes ANSWER (acceptance 0.00 measured with
+    # lowest-scoring selection), so 0.9 separates the two.
     acceptance = gen.stats.acceptance("middle->verify")
     assert acceptance >= 0.9, f"middle acceptance {acceptance:.2f}: retrieval missed the needle"

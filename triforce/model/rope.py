@@ -152,7 +152,13 @@ class Rotary:
         The angles of -delta are those of delta negated (exactly), so cos is the same, sin negated."""
         freqs = torch.full((1,), float(abs(delta)), device=x.device)[:, None] * self.inv_freq.to(x.device)[None, :]
         # on a GPU torch's own (no MKL there, and no host-to-device copy inside a device round)
-        cos, sin = _cos_sin_of(freqs) if x.device.type == "cpu" else (freqs.cos(), freqs.sin())
+        if x.device.type == "cpu":
+            from triforce.speculative.hostsync import on_the_host
+
+            with on_the_host():  # numpy over a CPU tensor, on the CPU path alone: nothing waits
+                cos, sin = _cos_sin_of(freqs)
+        else:
+            cos, sin = freqs.cos(), freqs.sin()
         sin = -sin if delta < 0 else sin
         return apply_rotary(x, torch.cat((cos, cos), dim=-1).to(x.dtype), torch.cat((-sin, sin), dim=-1).to(x.dtype))
 

@@ -22,7 +22,7 @@ import torch
 from triforce.model.files import write_whole
 from triforce.speculative import kvfile
 
-VERSION = 2  # 2: sampling and budget in the fingerprint
+VERSION = 3  # 2: sampling and budget in the fingerprint; 3: the retrieval cache's selection (session 52)
 
 
 def state_path(cache_file: Path) -> Path:
