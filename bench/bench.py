@@ -212,7 +212,8 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "context": context, "system": mode, "new_tokens": len(r["tokens"]),
         "tokens_per_second": decode / seconds, "seconds_median": seconds, "seconds_all": r["times"],
         "acceptance": stats["acceptance"], "tokens_per_full_pass": stats["tokens_per_full_pass"],
-        "passes": stats["passes"], "bytes_read_per_token": bytes_read(mode, stats, traffic) / max(decode, 1),
+        "passes": stats["passes"], "rebuilds": stats.get("rebuilds"),  # retrieval cache builds in the run
+        "bytes_read_per_token": bytes_read(mode, stats, traffic) / max(decode, 1),
         "bytes_moved_per_token": None if stats.get("bytes_moved") is None else stats["bytes_moved"] / max(decode, 1),
         "prefill_seconds": prefill_seconds,
         "same_tokens": same, "budget": cfg.budget, "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,

@@ -57,6 +57,7 @@ def test_bench_self_draft_with_hf_generate(tmp_path, models):
         assert got["autoregressive"]["tokens_per_full_pass"] == pytest.approx(1.0)
         assert got["hf-generate"]["tokens_per_full_pass"] == pytest.approx(1.0)  # one forward per token
         assert got["triforce"]["acceptance"]["middle->verify"] is not None
+        assert got["triforce"]["rebuilds"] >= 0 and got["autoregressive"]["rebuilds"] == 0  # retrieval builds
         modes = got["adaptive"]["modes"]  # its first passes: plain decoding, then one mode each by levels
         assert got["triforce"]["modes"] is None and list(modes)[:2] == ["autoregressive", "retrieval"]
         assert sum(modes.values()) == got["adaptive"]["passes"]["verify"]
