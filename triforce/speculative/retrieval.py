@@ -86,8 +86,9 @@ class RebuildPolicy:
 def attention_mass(full: FullCache, layer: int, queries: torch.Tensor, n_chunks: int, chunk: int) -> torch.Tensor:
     """(Hkv, n_chunks): the attention the queries (k, Hq, D) give each chunk, summed over the queries and
     the query heads that share a KV head: softmax over the chunks' tokens (the recent tail is held
-    whatever it scores). Computed where the keys are (host memory for an offloaded cache), a KV head
-    at a time so that only one head's keys are widened to float32 at once."""
+    whatever it scores). Computed where the keys are, a KV head at a time so that only one head's keys
+    are widened to float32 at once: for a layer in host memory the query goes to the host (a rebuild
+    waits for the store's write-backs anyway) and the scores come back."""
     keys, _ = full.read(layer, 0, n_chunks * chunk)
     Hkv, n, D = keys.shape
     grouped = queries.to(keys.device, torch.float32).reshape(queries.shape[0], Hkv, -1, D)
@@ -119,10 +120,12 @@ def plan_selection(n_tokens: int, budget: int, chunk: int, scores: torch.Tensor,
     top = torch.topk(scores[:, 1:1 + candidates], picks, dim=-1)
     chosen = top.indices + 1  # (Hkv, picks) chunk ids
     offsets = torch.arange(chunk, device=scores.device)
-    cut = picks * chunk - room  # the last pick keeps its last chunk - cut tokens
-    chunk_tokens = (chosen[:, :, None] * chunk + offsets).reshape(Hkv, picks * chunk)
-    kept = torch.cat((torch.arange((picks - 1) * chunk), torch.arange((picks - 1) * chunk + cut, picks * chunk))).to(scores.device)
-    chunk_tokens = chunk_tokens[:, kept]
+    last = (picks - 1) * chunk  # where the last pick starts; it keeps its last chunk - cut tokens
+
+    def cut_to_fit(slots: torch.Tensor) -> torch.Tensor:  # (Hkv, picks * chunk) -> (Hkv, room)
+        return torch.cat((slots[:, :last], slots[:, last + picks * chunk - room:]), dim=1)
+
+    chunk_tokens = cut_to_fit((chosen[:, :, None] * chunk + offsets).reshape(Hkv, picks * chunk))
     sink = offsets.expand(Hkv, chunk)
     tail = torch.arange(tail_start, n_tokens, device=scores.device).expand(Hkv, n_tokens - tail_start)
     index = torch.cat((sink, chunk_tokens, tail), dim=1)
@@ -130,7 +133,7 @@ def plan_selection(n_tokens: int, budget: int, chunk: int, scores: torch.Tensor,
     # the latest tokens slide: committed tokens replace the oldest of them (-inf, in position order
     # under a stable sort), and once the window has slid its length the cache is built anew; the
     # retrieved chunks stay until then (a needle is never dropped between builds)
-    slot_scores = torch.cat((inf, top.values.repeat_interleave(chunk, dim=1)[:, kept],
+    slot_scores = torch.cat((inf, cut_to_fit(top.values.repeat_interleave(chunk, dim=1)),
                              torch.full((Hkv, n_tokens - tail_start), -float("inf"), device=scores.device)), dim=1)
     return index, slot_scores, n_tokens - tail_start
 
