@@ -157,16 +157,20 @@ def main(argv=None) -> int:
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--rules", default=",".join(RULES), help="comma-separated, of: " + ", ".join(RULES))
     p.add_argument("--gamma2", type=int, default=6, help="for the tokens-per-pass guide")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    rules = {name: RULES.get(name) for name in args.rules.split(",") if name}
+    if None in rules.values():
+        p.error(f"unknown rule: {', '.join(n for n, r in rules.items() if r is None)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, torch.float32, "cpu", max_len=args.context + args.continuation)
     books = {Path(b).stem: tokenizer.encode(Path(b).read_text(encoding="utf-8")) for b in args.books.split(",") if b}
-    rows = compare(model, books, args.context, args.continuation, args.budget, args.chunk)
+    rows = compare(model, books, args.context, args.continuation, args.budget, args.chunk, rules)
     means = summary(rows, args.gamma2)
     out = args.out or Path("results") / f"retrieval_rules-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

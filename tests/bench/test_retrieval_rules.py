@@ -97,3 +97,9 @@ def test_every_rule_gives_a_row_per_window_and_agreement_in_bounds(setup):
     means = rr.summary(rows, 6)
     assert [m["rule"] for m in means] == list(rr.RULES)
     assert "rule" in rr.table(means)
+
+
+def test_an_unknown_rule_is_named_before_any_load(capsys):
+    with pytest.raises(SystemExit):
+        rr.main(["--model", "/nonexistent", "--rules", "mean key (TriForce's),nope"])
+    assert "unknown rule: nope" in capsys.readouterr().err
