@@ -93,8 +93,10 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
     lookup = [*bench_with("lookup"), "--contexts", longest, "--offload", "host", "--dtype", "bfloat16",
               "--learned", "--systems", "autoregressive,retrieval,speculative,triforce,adaptive"]
     out.append(("lookup kv host greedy", [*lookup, *greedy]))
-    # the product's regime sampled before anything that compiles (a 15-minute lease, session 35)
-    out.append(("kv host sampled", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-lookup", *sampled]))
+    # the product's regime sampled before anything that compiles (a 15-minute lease, session 35); with
+    # retrieval and triforce verifying one draft at a time beside block verification (session 53)
+    out.append(("kv host sampled", [*host, "--systems", OURS + ",triforce-gamma1-4,adaptive-lookup,retrieval-token,triforce-token",
+                                    *sampled]))
     out.append(("lookup kv host sampled", [*lookup, *sampled]))
     # transformers' static cache compiles once per context (minutes with both; it ate session 23's
     # lease): after every host-memory step, so that a compile that overruns costs only what follows

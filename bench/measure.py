@@ -18,7 +18,7 @@ OURS = ("autoregressive", "speculative", "retrieval", "triforce", "adaptive")  #
 # --compile, plain decoding one pass at a time
 VARIANTS = ("triforce-device", "triforce-host", "autoregressive-compiled", "retrieval-compiled", "triforce-compiled",
             "adaptive-compiled", "adaptive-no-lookup", "autoregressive-waiting", "adaptive-waiting",
-            "triforce-gamma1-4", "adaptive-lookup")
+            "triforce-gamma1-4", "adaptive-lookup", "retrieval-token", "triforce-token")
 ALL_OURS = OURS + VARIANTS
 # a system that is not a mode: (the mode whose levels it builds, its settings, generate.py's flags for it)
 SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
@@ -40,7 +40,10 @@ SYSTEM_MODES = {"adaptive": ("triforce", {"adaptive": True}, []),
                 "adaptive-no-lookup": ("triforce", {"adaptive": True, "lookup": False}, ["--no-lookup"]),
                 # the adaptive default weighing lookups beside the target drafting for itself on a GPU
                 # (the default there before session 40: runtime/settings.py SELF_DRAFT_GPU_LOOKUP)
-                "adaptive-lookup": ("triforce", {"adaptive": True, "lookup": True}, ["--lookup"])}
+                "adaptive-lookup": ("triforce", {"adaptive": True, "lookup": True}, ["--lookup"]),
+                # sampled drafts verified one at a time (the rule before session 53) beside block verification
+                "retrieval-token": ("retrieval", {"verification": "token"}, ["--no-adaptive", "--verification", "token"]),
+                "triforce-token": ("triforce", {"verification": "token"}, ["--no-adaptive", "--verification", "token"])}
 
 
 def engine_mode(system: str) -> str:

@@ -331,6 +331,25 @@ def test_the_statistics_say_which_drafter_proposes(tiny, extra, expect):
                                    expect + " (--no-lookup: without)")
 
 
+@pytest.mark.parametrize("extra,expect", [(["--temperature", "0.7"], "; drafts verified by block"),
+                                          (["--temperature", "0.7", "--verification", "token"],
+                                           "; drafts verified one at a time (--verification token)"),
+                                          (["--temperature", "0"], None),
+                                          (["--temperature", "0.7", "--mode", "autoregressive"], None)])
+def test_the_statistics_say_how_sampled_drafts_are_verified(tiny, extra, expect):
+    """--verification reaches the engine's config, and the sampling row says the rule where drafts
+    are sampled and verified."""
+    from triforce.cli import generate
+
+    target, book = tiny
+    opts = generate.parse_args(_flags(target, "--prompt-file", str(book), *extra))
+    session = Session(opts.run, book.read_text())
+    cfg = session.plan_generation()
+    row = dict(session.choices(cfg))["sampling"]
+    assert cfg.verification == ("token" if "token" in extra else "block")
+    assert row.endswith(expect) if expect else "verified" not in row
+
+
 @pytest.mark.parametrize("mode", [["--mode", "autoregressive", "--no-adaptive"], []], ids=["plain", "adaptive"])
 @pytest.mark.parametrize("extra,expect", [([], "one at a time (default on CPU)"),
                                           (["--queue-ahead"], "the next queued before each token is read"),

@@ -56,6 +56,9 @@ def test_the_plan_covers_the_figures():
     # triforce at its default gamma1 beside 4, the default before, in the host-memory steps
     assert all("triforce-gamma1-4" in " ".join(plan[s]) for s in ("kv host greedy", "kv host sampled",
                                                                    "published sampling kv host"))
+    # block verification beside one draft at a time, sampled with the KV in host memory (session 53)
+    sampled_systems = " ".join(plan["kv host sampled"]).split("--systems ")[1].split()[0].split(",")
+    assert {"retrieval", "retrieval-token", "triforce", "triforce-token"} <= set(sampled_systems)
     assert all("--timeline" in plan[f"timeline kv {w}"] for w in ("host", "gpu"))
     # plain decoding queued ahead beside one pass at a time, in one run
     assert all("autoregressive,autoregressive-waiting,adaptive,adaptive-waiting" in " ".join(plan[f"timeline kv {w}"])

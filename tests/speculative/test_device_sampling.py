@@ -1,13 +1,14 @@
 """Sampling and acceptance on the device equal a plain host implementation, uniform for uniform.
 
-The reference below is the pre-issue-22 verify_sampled written out with Python loops (accept draft x
-while u * q(x) < p(x); at the first rejection draw from norm(max(0, p - q)); after all, from the
+The reference below is the pre-issue-22 verify_sampled (token by token, now verify_tokens; block
+verification has its own in test_block_verification.py) written out with Python loops (accept draft
+x while u * q(x) < p(x); at the first rejection draw from norm(max(0, p - q)); after all, from the
 bonus row), with the draw made by inversion from the same uniform, so both must return the same
 accepted count and the same next token for every input.
 """
 import torch
 
-from triforce.speculative.sampling import draw_rows, verify_greedy, verify_sampled
+from triforce.speculative.sampling import draw_rows, verify_greedy, verify_tokens
 
 V = 12
 
@@ -55,7 +56,7 @@ def test_device_verification_equals_the_reference():
             p[:g] = q  # p == q: every draft stands
         drafts = draw_rows(q, torch.rand(g, generator=gen, dtype=torch.float64)) if g else torch.zeros(0, dtype=torch.long)
         uniforms = torch.rand(g + 1, generator=gen, dtype=torch.float64)
-        accepted, nxt = verify_sampled(drafts, q, p, uniforms)
+        accepted, nxt = verify_tokens(drafts, q, p, uniforms)
         expected = reference_verify(drafts.tolist(), q, p, uniforms)
         assert (int(accepted), int(nxt)) == expected, (case, g)
         outcomes.add((g, expected[0] == g))

@@ -96,6 +96,8 @@ CASES = [("speculative", True, {}), ("retrieval", False, {}), ("triforce", True,
          ("triforce", True, {**DEVICE, "gamma2": 6}),
          # each round one graph, its uniforms drawn before it: one and two rounds per full pass
          ("triforce", True, WHOLE), ("triforce", True, {**WHOLE, "gamma2": 6, "top_k": 5, "top_p": 0.8}),
+         # speculative sampling's token-by-token rule (the default verifies by block)
+         ("triforce", True, {**DEVICE, "gamma2": 6, "verification": "token"}),
          # drafts looked up in the sequence: point masses, accepted with probability p(x)
          ("speculative", LOOKUP, {}), ("triforce", LOOKUP, {}), ("triforce", LOOKUP, {**DEVICE, "gamma2": 6}),
          ("triforce", LOOKUP, {**WHOLE, "top_k": 5, "top_p": 0.8})]

@@ -97,9 +97,13 @@ def add_engine_args(p: argparse.ArgumentParser, adaptive: bool | None = None) ->
     g.add_argument("--top-k", type=int, default=None, help="(default: the checkpoint's, else 0: off)")
     g.add_argument("--seed", type=int, default=DEFAULTS.seed)
     g.add_argument("--budget", type=int, default=None, help="retrieval cache tokens (default: on CPU a quarter of the context, 1,024 to 8,192; on GPU 4,096)")
-    g.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size, help="tokens per retrieval chunk (scored by their mean key)")
+    g.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
+                   help="tokens per retrieval chunk (ranked by the attention the newest query gives them)")
     g.add_argument("--gamma1", type=int, default=None, help="drafter tokens per middle pass")
     g.add_argument("--gamma2", type=int, default=None, help="middle tokens per full-cache pass")
+    g.add_argument("--verification", default=DEFAULTS.verification, choices=["block", "token"],
+                   help="how sampled drafts are verified, both exactly: block (default) judges a pass's drafts "
+                        "together and accepts more of them; token is speculative sampling's one-at-a-time rule")
     g.add_argument("--draft-window", type=int, default=DEFAULTS.draft_window, help="StreamingLLM recent window of the drafter")
     g.add_argument("--sinks", type=int, default=DEFAULTS.sinks, help="StreamingLLM attention-sink tokens")
     g.add_argument("--rebuild-threshold", type=float, default=DEFAULTS.rebuild_threshold,

@@ -284,7 +284,8 @@ class Session:
             rows.append(("prompt cache", describe(self.prompt_cache, run.prompt_cache)))
         if cfg is not None:
             rows.append(("sampling", "greedy" if cfg.temperature == 0 else
-                         f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")))
+                         f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}" + (f", top-k {cfg.top_k}" if cfg.top_k else "")
+                         + _verification_text(cfg, run.mode)))
         return rows
 
     def _drafter_text(self, cfg) -> str:
@@ -337,6 +338,13 @@ def _setup_parallel(run: Settings):
     if run.tp == 1 and world == 1:
         return None
     return setup_tensor_parallel(run.tp, run.device)
+
+
+def _verification_text(cfg, mode: str) -> str:
+    """How sampled drafts are verified, for the statistics' sampling row (nothing when none are)."""
+    if cfg.temperature == 0 or mode == "autoregressive":
+        return ""
+    return "; drafts verified by block" if cfg.verification == "block" else "; drafts verified one at a time (--verification token)"
 
 
 def open_session(run: Settings, text: str | None, modes=MODES, tokenizer=None) -> Session:

@@ -60,6 +60,7 @@ class Settings:
     sinks: int = 4
     rebuild_threshold: float = 0.0
     prefill_chunk: int | None = None
+    verification: str = "block"  # sampled drafts judged together (block) or one at a time (token)
     adaptive: bool = True  # each full pass runs the mode measured cheapest (lossless either way)
     # adaptive, with a model drafter: also weigh drafts looked up in the text in its place; None: not on
     # a GPU with the target drafting for itself (SELF_DRAFT_GPU_LOOKUP), else yes
@@ -216,7 +217,8 @@ def generation_config(run: Settings, prompt_len: int, say: Callable[[str], None]
         gamma2=run.gamma2 if run.gamma2 is not None else max(g2, 1),
         draft_window=run.draft_window, sink_tokens=run.sinks, rebuild_threshold=run.rebuild_threshold,
         prefill_chunk=run.prefill_chunk,  # None: the device's default piece (GenerationConfig.prefill_piece)
-        adaptive=run.adaptive, lookup=lookup, device_rounds=run.device_rounds, queue_ahead=run.queue_ahead)
+        verification=run.verification, adaptive=run.adaptive, lookup=lookup, device_rounds=run.device_rounds,
+        queue_ahead=run.queue_ahead)
 
 
 def generation_plan(run: Settings, prompt_len: int, say: Callable[[str], None] | None = None):

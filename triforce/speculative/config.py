@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from triforce.model.errors import UserError
 
 from .retrieval import check_budget_shape
+from .sampling import VERIFICATION_RULES
 
 # Prefill pieces: on CPU a prompt of up to 4,096 tokens goes in one piece, whose attention runs as a
 # causal kernel (bench/prefill_rate.py: 1.0-1.8x transformers' rate, SmolLM2 and Qwen2.5-0.5B, fp32
@@ -50,6 +51,9 @@ class GenerationConfig:
     # drafts): a lookup costs no pass, and after a long match it is right for long runs (a quotation)
     lookup_gamma: int = 8
     stop_on_eos: bool = False
+    # how a sampled level verifies drafts (sampling.py): "block" judges them together and accepts more
+    # (never fewer in expectation); "token" is speculative sampling's rule, one draft at a time
+    verification: str = "block"
     # triforce's drafter->middle rounds with no host read inside (rounds.py): None decides by device
     device_rounds: bool | None = None
     # plain decoding queues each full pass before the host reads the token the last one sampled
@@ -65,6 +69,8 @@ class GenerationConfig:
             (self.top_k >= 0, f"top-k must be >= 0 (got {self.top_k}); 0 turns it off"),
             (self.gamma1 >= 1, f"gamma1 must be >= 1 (got {self.gamma1})"),
             (self.gamma2 >= 1, f"gamma2 must be >= 1 (got {self.gamma2})"),
+            (self.verification in VERIFICATION_RULES,
+             f"verification must be one of {', '.join(VERIFICATION_RULES)} (got {self.verification!r})"),
             (self.lookup_gamma >= 1, f"lookup gamma must be >= 1 (got {self.lookup_gamma})"),
             (self.sink_tokens >= 0, f"sink tokens must be >= 0 (got {self.sink_tokens})"),
             (self.draft_window >= 1, f"draft window must be >= 1 (got {self.draft_window})"),

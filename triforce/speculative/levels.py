@@ -208,6 +208,7 @@ class Sampling:
 
     def __init__(self, cfg: GenerationConfig, device: torch.device):
         self.sampler = Sampler(cfg.temperature, cfg.top_p, cfg.top_k)
+        self.rule = cfg.verification
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(cfg.seed)
 
@@ -235,7 +236,7 @@ class Sampling:
             uniforms = self.uniforms(drafts.shape[0] + 1)
         if drafts.shape[0] == 0:  # nothing to verify: a plain draw
             return torch.zeros((), dtype=torch.long, device=self.device), draw_rows(probs, uniforms)[0], probs
-        accepted, nxt = verify_sampled(drafts, draft_probs, probs, uniforms, limit=limit)
+        accepted, nxt = verify_sampled(drafts, draft_probs, probs, uniforms, limit=limit, rule=self.rule)
         return accepted, nxt, probs
 
 
