@@ -42,6 +42,10 @@ def test_a_kept_prompts_next_run_starts_from_what_the_last_one_learned(model, ca
     assert learned.state_path(Path(asked.report["prompt_cache"]["kept"])).is_file()
     assert asked.tokens == triforce.generate(DOCUMENT + QUESTIONS[1], **dict(settings, prompt_cache="off")).tokens
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="triforce"):  # drafts verified one at a time: afresh
+        triforce.generate(DOCUMENT + QUESTIONS[0], **dict(settings, verification="token"))
+    assert "learned of each mode's speed" not in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="triforce"):
         triforce.generate(DOCUMENT + QUESTIONS[0], **dict(settings, gamma2=2))  # other plans: afresh
     assert "learned of each mode's speed" not in caplog.text

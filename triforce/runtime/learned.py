@@ -22,7 +22,9 @@ import torch
 from triforce.model.files import write_whole
 from triforce.speculative import kvfile
 
-VERSION = 3  # 2: sampling and budget in the fingerprint; 3: the retrieval cache's selection (session 52)
+# 2: sampling and budget in the fingerprint; 3: the retrieval cache's selection (session 52); 4: the
+# verification rule in the fingerprint (session 53: block keeps more drafts than one at a time)
+VERSION = 4
 
 
 def state_path(cache_file: Path) -> Path:
@@ -32,11 +34,11 @@ def state_path(cache_file: Path) -> Path:
 def fingerprint(gen, threads: int) -> dict:
     """What the learned figures depend on besides the saved cache's key: the plans the chooser weighs,
     how the rounds run, and what sets the middle level's cost and every edge's acceptance (the
-    retrieval budget, the sampling)."""
+    retrieval budget, the sampling and how sampled drafts are verified)."""
     cfg = gen.cfg
     return {"version": VERSION, "modes": list(gen.modes), "gamma1": cfg.gamma1, "gamma2": cfg.gamma2,
             "device_rounds": gen.device_rounds, "threads": threads, "budget": cfg.budget,
-            "sampling": [cfg.temperature, cfg.top_p, cfg.top_k]}
+            "sampling": [cfg.temperature, cfg.top_p, cfg.top_k], "verification": cfg.verification}
 
 
 def save(path: Path, gen, threads: int) -> None:
