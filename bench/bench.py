@@ -57,7 +57,7 @@ from bench.bench_report import hardware, hardware_line, plot, print_table, wide
 from bench.hf_peers import CACHE_OF, SYSTEMS as HF, HFSystems
 from bench.measure import (ALL_OURS, OURS, TIE_ULPS, build_system, counted_run, first_mismatch, level_ms_per_pass,
                            link_floor, logit_gap_ulps, system_settings, seed_config, shared_prefill, ties_only)
-from triforce.cli.common import open_session
+from bench.prompts import open_story_session
 from triforce.speculative.graphs import HOT_AFTER
 from bench import timeline
 from bench.traffic import Traffic, bytes_read
@@ -97,7 +97,8 @@ def parse_args(argv) -> BenchPlan:
     p.add_argument("--prompt-file", default=None, help="a book (default: the embedded book prefix)")
     p.add_argument("--contexts", default="4096", help="comma-separated context lengths")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs of each system after a warm-up (greedy: the median's; sampled: one seed each, pooled)")
     p.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(ALL_OURS + HF)} (default: {DEFAULT_SYSTEMS})")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes on 2 CPU cores: context {QUICK['contexts']}, {QUICK['new_tokens']} tokens, "
@@ -163,9 +164,10 @@ def system_configs(run: RunConfig, systems, prompt_len: int, say=None) -> dict:
 
 
 def bench_context(session, plan: BenchPlan, ids, context, hf=None, hf_skip=None):
-    """Rows for one context: every system decodes from one prefill of the prompt's last `context` tokens."""
+    """Rows for one context: every system decodes from one prefill of the story's first `context`
+    tokens (bench/prompts.py)."""
     hf_skip = dict(hf_skip or {})
-    prompt = ids[-context:]
+    prompt = ids[:context]
     max_len = len(prompt) + plan.new_tokens
     cfgs = system_configs(session.run, plan.systems, len(prompt), session.say)
     # transformers' systems sample (or not) as ours do: the autoregressive mode's settings
@@ -203,15 +205,18 @@ def bench_context(session, plan: BenchPlan, ids, context, hf=None, hf_skip=None)
 
 
 def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill_seconds) -> dict:
-    """One system's row: its median decode speed, what it read and moved, per-level times."""
+    """One system's row: its median decode speed (sampled: pooled over one seed a repetition), what
+    it read and moved, per-level times."""
     seconds = statistics.median(r["times"])
     stats = r["stats"]
     decode = len(r["tokens"]) - 1
     same = None if reference is None or cfg.temperature > 0 else r["tokens"] == reference
+    sampled = pooled(r["runs"]) if cfg.temperature > 0 else None
     row = {
         "context": context, "system": mode, "new_tokens": len(r["tokens"]),
         "tokens_per_second": decode / seconds, "seconds_median": seconds, "seconds_all": r["times"],
         "acceptance": stats["acceptance"], "tokens_per_full_pass": stats["tokens_per_full_pass"],
+        "sampled_runs": None if sampled is None else sampled.pop("runs"),  # each repetition's seed and figures
         "passes": stats["passes"], "rebuilds": stats.get("rebuilds"),  # retrieval cache builds in the run
         "bytes_read_per_token": bytes_read(mode, stats, traffic) / max(decode, 1),
         "bytes_moved_per_token": None if stats.get("bytes_moved") is None else stats["bytes_moved"] / max(decode, 1),
@@ -230,6 +235,8 @@ def system_row(session, mode, r: dict, cfg, context, traffic, reference, prefill
         "engine": r.get("engine"),  # how its passes ran (engine_facts)
         "tokens": r["tokens"],  # which run resolved a tie which way, when the tokens differ
     }
+    if sampled is not None:
+        row.update(sampled)  # pooled over the repetitions' seeds
     return row
 
 
@@ -258,16 +265,18 @@ def our_warmups(system: str) -> int:
 def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_len, hf, context) -> dict:
     """{system: its tokens (from the warm-up), top-2 margins (transformers), times and stats}, the
     repetitions alternating between systems so that drift hits all alike."""
-    results = {s: {"times": [], "stats": None, "tokens": None, "margins": None, "graphs_in_clock": 0} for s in systems}
+    results = {s: {"times": [], "stats": None, "tokens": None, "margins": None, "graphs_in_clock": 0, "runs": []}
+               for s in systems}
     gens = system_generators(session, cfgs, prefilled, max_len)
     for rep in range(plan.repeats + 1):  # repetition 0 is the warm-up
+        seed = repetition_seed(base, rep)
         for mode in systems:
             warmups = (hf.warmups(mode) if mode in HF else our_warmups(mode)) if rep == 0 else 1
             for _ in range(warmups):
                 if mode in HF:
-                    tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, base, scores=rep == 0)
+                    tokens, seconds, stats, margins = hf.run(mode, plan.new_tokens, replace(base, seed=seed), scores=rep == 0)
                 else:
-                    tokens, seconds, stats, made = counted_run(gens[mode], prefilled, learned=plan.learned)
+                    tokens, seconds, stats, made = counted_run(gens[mode], prefilled, learned=plan.learned, seed=seed)
                     stats, margins = stats.to_dict(), None
             session.console.print(f"  [dim]{context} {'warm-up' if rep == 0 else f'rep {rep}'} {mode}: "
                                   f"{(len(tokens) - 1) / seconds:.2f} tok/s[/]")
@@ -280,6 +289,7 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
                 results[mode]["graphs_in_clock"] += made
             results[mode]["times"].append(seconds)
             results[mode]["stats"] = stats
+            results[mode]["runs"].append(run_record(seed, tokens, seconds, stats))
             if mode not in HF:
                 results[mode]["engine"] = engine_facts(gens[mode])
             chooser = None if mode in HF else gens[mode].chooser
@@ -289,6 +299,36 @@ def time_systems(session, plan: BenchPlan, systems, cfgs, base, prefilled, max_l
         for mode in [m for m in systems if m not in HF]:
             results[mode]["timeline"] = profiled_run(gens[mode], prefilled, plan.learned)
     return results
+
+
+def repetition_seed(cfg, rep: int) -> int:
+    """Sampling's seed for repetition `rep` (0: the warm-up): sampled, each timed repetition draws
+    another text (seed, seed + 1, ...), so that R repetitions measure R samples of the output's law
+    and not one text R times: a single 64-token text at 32K is a few full passes, and its luck moved
+    session 40's sampled rows by more than the changes they judged. Greedy: always the seed."""
+    return cfg.seed + max(rep - 1, 0) if cfg.temperature > 0 else cfg.seed
+
+
+def run_record(seed: int, tokens, seconds: float, stats: dict) -> dict:
+    """One timed run's counts: what a sampled row pools over its repetitions."""
+    return {"seed": seed, "decode_tokens": len(tokens) - 1, "seconds": seconds, "full_passes": stats.get("full_passes"),
+            "proposed": stats.get("proposed") or {}, "accepted": stats.get("accepted") or {}}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """A sampled row's figures over its runs (one seed each): tokens over time, over full passes, and
+    each edge's kept drafts over its proposed ones, each a ratio of sums (the law's mean, where a
+    median of ratios would favour short texts)."""
+    tokens, seconds = sum(r["decode_tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    passes = sum(r["full_passes"] or 0 for r in runs)
+    edges = sorted({e for r in runs for e in r["proposed"]})
+    proposed = {e: sum(r["proposed"].get(e, 0) for r in runs) for e in edges}
+    accepted = {e: sum(r["accepted"].get(e, 0) for r in runs) for e in edges}
+    return {"tokens_per_second": tokens / seconds, "tokens_per_full_pass": tokens / passes if passes else None,
+            "acceptance": {e: accepted[e] / proposed[e] for e in edges if proposed[e]},
+            "runs": [{"seed": r["seed"], "decode_tokens": r["decode_tokens"], "seconds": r["seconds"],
+                      "full_passes": r["full_passes"], "tokens_per_second": r["decode_tokens"] / r["seconds"]}
+                     for r in runs]}
 
 
 def engine_facts(gen) -> dict:
@@ -369,7 +409,9 @@ def main(argv=None) -> int:
     run = session.run  # as the last session resolved it (device, lower weights)
     line = hardware_line(hw, run.device)
     out_console = wide(Console())
-    out_console.print(f"{Path(run.model).name}, {run.dtype}, {plan.new_tokens} new tokens; {line}", width=100)
+    drawn = (f"; sampled at {run.temperature:g} (top-p {run.top_p:g}), seeds {run.seed}-{run.seed + plan.repeats - 1} "
+             "pooled" if run.temperature > 0 else "")
+    out_console.print(f"{Path(run.model).name}, {run.dtype}, {plan.new_tokens} new tokens{drawn}; {line}", width=100)
     print_table(out_console, rows)
     for message in write_results(plan, run, session.draft, rows, hw, line):
         print(message)
@@ -387,7 +429,7 @@ def bench_groups(plan: BenchPlan, text: str):
             session.close()
             session = None
             gc.collect()
-        session = open_session(replace(plan.run, context=max(contexts)), text)
+        session = open_story_session(replace(plan.run, context=max(contexts)), text)
         if len(groups) > 1:
             session.console.print(f"[bold]contexts {', '.join(map(str, contexts))}[/]: RoPE scaling "
                                   f"{scaling or 'none'} (models loaded for these contexts)")
@@ -455,7 +497,9 @@ def report(plan: BenchPlan, run: RunConfig, draft: str, rows, hw: dict, line: st
                                      "passes (not for assisted generation)",
                       "link_floor": "--offload host: KV streamed per full pass (measured) / pinned host->device "
                                     "bandwidth measured in this run (CUDA; n/a on CPU)",
-                      "timing": "decode only (first token from prefill), median over repetitions after a warm-up"}}
+                      "timing": "decode only (first token from prefill), after a warm-up: greedy the median over "
+                                "repetitions; sampled pooled over them (tokens over seconds), one seed each: seed, seed + 1, ...",
+                      "prompt": "the story's first tokens (bench/prompts.py)"}}
 
 
 def verdict(plan: BenchPlan, rows) -> int:

@@ -162,7 +162,7 @@ def compare(plan: ComparePlan) -> dict:
     from bench.bench import system_configs
     from bench.measure import build_system, first_mismatch, shared_prefill, ties_only, timed_run
     from triforce.parallel import resolve_device
-    from triforce.cli.common import open_session
+    from bench.prompts import open_story_session
     from triforce.speculative import UserError
     from triforce.speculative.engine import synchronize
 
@@ -176,7 +176,7 @@ def compare(plan: ComparePlan) -> dict:
     if blocker:
         raise UserError(f"DeepSpeed ZeRO-Inference cannot run here: {blocker}")
     text = read_text(plan.prompt_file or DEFAULT_PROMPT_FILE)
-    session = open_session(run, text)
+    session = open_story_session(run, text)
     console = session.console
     prompt = session.prompt_ids
     if len(prompt) < run.context:

@@ -93,13 +93,14 @@ def timed_run(gen, prefilled, learned: bool = False):
     return counted_run(gen, prefilled, learned)[:3]
 
 
-def counted_run(gen, prefilled, learned: bool = False):
+def counted_run(gen, prefilled, learned: bool = False, seed: int | None = None):
     """timed_run's (tokens, seconds, stats) and the graphs made inside its clock (CUDA captures,
     compiled pass widths). Those made while the generator is put back are not: a drafter's restart
     feeds its window's last piece (sinks + window modulo the feed size) through a graph, once per
     generator, before the clock starts, and counting it made every drafting row of session 40's H200
-    run say "1 graph inside the clock" that its time did not contain."""
-    gen.resume(prefilled.prompt, prefilled.queries, prefilled.first, learned=learned)
+    run say "1 graph inside the clock" that its time did not contain. `seed`: sampling's, in place of
+    the config's (a sampled bench draws another text each repetition)."""
+    gen.resume(prefilled.prompt, prefilled.queries, prefilled.first, learned=learned, seed=seed)
     synchronize(gen.device)
     before = graphs_made["graphs"]
     start = time.perf_counter()

@@ -24,7 +24,7 @@ from triforce.cli.common import (DEFAULT_PROMPT_FILE, RunConfig, add_engine_args
                             generation_config, read_text, run_cli, run_config)
 from triforce.cli.progress import prefill_progress, watch_layers
 from bench.measure import TIE_ULPS, first_mismatch, logit_gap_ulps, run_system
-from triforce.cli.common import open_session
+from bench.prompts import open_story_session
 from triforce.speculative import Generator, UserError
 from triforce.model.quant import resolve_lower_weights, with_lower_weights
 
@@ -115,7 +115,7 @@ def timed(session, mode, cfg, prefilled, max_len, repeats, models=None):
 
 def main(argv=None) -> int:
     plan = parse_args(argv)
-    session = open_session(plan.run, read_text(plan.prompt_file or DEFAULT_PROMPT_FILE))
+    session = open_story_session(plan.run, read_text(plan.prompt_file or DEFAULT_PROMPT_FILE))
     prompt = session.prompt_ids
     base = generation_config(replace(session.run, mode="triforce"), len(prompt), session.say)
     max_len = len(prompt) + plan.new_tokens

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from triforce.cli.common import open_session, run_cli
+from triforce.cli.common import run_cli
 from triforce.runtime.settings import generation_config, make_settings
 from triforce.speculative.sampling import block_terms
 
+from .prompts import open_story_session
 from .measure import build_system, shared_prefill, system_settings
 
 DEFAULT_BOOK = Path(__file__).resolve().parent.parent / "triforce" / "data" / "persuasion.txt"
@@ -110,13 +111,16 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma1", type=int, default=None)
     ap.add_argument("--gamma2", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the compute dtype (auto: generate's default on this machine)")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "same", "bfloat16", "float16", "float32"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     run = make_settings(model=args.model, draft=args.draft, threads=args.threads, context=args.context, max_new_tokens=args.new_tokens,
                         temperature=args.temperature, top_p=args.top_p, gamma1=args.gamma1, gamma2=args.gamma2, budget=args.budget,
-                        adaptive=False)
-    session = open_session(run, Path(args.prompt_file).read_text())
-    prompt = session.prompt_ids[-args.context:]
+                        dtype=args.dtype, kv_dtype=args.kv_dtype, adaptive=False)
+    session = open_story_session(run, Path(args.prompt_file).read_text(), args.context)
+    prompt = session.prompt_ids
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     cfgs = {m: generation_config(replace(session.run, **system_settings(m)), len(prompt)) for m in modes}
     max_len = len(prompt) + args.new_tokens

@@ -239,3 +239,39 @@ def test_traffic_counts_int8_proposer_weights_at_one_byte():
     weights = traffic.weight_bytes(cfg, 2)
     assert bf16.middle - int8.middle == weights - traffic.weight_bytes(cfg, 1) == weights // 2
     assert bf16.draft - int8.draft == weights // 2
+
+
+def test_sampled_repetitions_draw_one_seed_each_and_pool(tmp_path, models, monkeypatch):
+    """Sampled, each timed repetition draws another text (seed, seed + 1, ...) and a row pools them:
+    tokens over seconds and over full passes. The warm-up draws what the first timed run does."""
+    target, _, book = models
+    texts, real = {}, bench.counted_run
+
+    def recorded(gen, prefilled, learned=False, seed=None):
+        tokens, seconds, stats, made = real(gen, prefilled, learned, seed)
+        texts.setdefault((gen.mode, seed), []).append(list(tokens))
+        return tokens, seconds, stats, made
+
+    monkeypatch.setattr(bench, "counted_run", recorded)
+    rc, data = _run(tmp_path, "--model", str(target), "--draft", "self", "--prompt-file", str(book), "--contexts", "128",
+                    "--systems", "autoregressive,triforce,hf-generate", "--temperature", "0.8", "--repeats", "3",
+                    "--seed", "5")
+    assert rc == 0
+    for row in data["rows"]:
+        runs = row["sampled_runs"]
+        assert [r["seed"] for r in runs] == [5, 6, 7], row["system"]
+        tokens, seconds = sum(r["decode_tokens"] for r in runs), sum(r["seconds"] for r in runs)
+        assert row["tokens_per_second"] == pytest.approx(tokens / seconds)
+        assert row["tokens_per_full_pass"] == pytest.approx(tokens / sum(r["full_passes"] for r in runs))
+    for mode in ("autoregressive", "triforce"):
+        warm_up_and_first, second, third = texts[mode, 5], texts[mode, 6], texts[mode, 7]
+        assert warm_up_and_first[0] == warm_up_and_first[1]  # a seed fixes the text
+        assert len({tuple(warm_up_and_first[0]), tuple(second[0]), tuple(third[0])}) == 3, mode
+    assert data["settings"]["seed"] == 5
+
+
+def test_greedy_repetitions_keep_the_seed():
+    cfg = type("Cfg", (), {"seed": 3, "temperature": 0.0})()
+    assert [bench.repetition_seed(cfg, rep) for rep in range(4)] == [3, 3, 3, 3]
+    cfg.temperature = 0.7
+    assert [bench.repetition_seed(cfg, rep) for rep in range(4)] == [3, 3, 4, 5]

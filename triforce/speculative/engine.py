@@ -147,13 +147,14 @@ class Generator:
         return Prefilled(self.full.cache, prompt, self.context[-1], queries, self.stats.prefill_seconds)
 
     def resume(self, prompt: list[int], queries: list[torch.Tensor], first: int | None = None,
-               learned: bool = False, logits: torch.Tensor | None = None, window: dict | None = None) -> None:
+               learned: bool = False, logits: torch.Tensor | None = None, window: dict | None = None,
+               seed: int | None = None) -> None:
         """Stand where prefill(prompt) left a generator, given a full cache that holds at least the
         prompt's K/V in its first len(prompt) slots (a snapshot's, one loaded from disk, or this
         generator's own after a conversation) and the last prompt token's rotated queries (Hq, D) per
         layer. With `first`, that sampled token follows the prompt (as after prefill); without it the
         context ends with the prompt (as after truncate(len(prompt)): a chat's user turn comes next).
-        Sampling restarts from the seed, and statistics and an adaptive chooser's figures start
+        Sampling restarts from the seed (`seed`, or the config's), and statistics and an adaptive chooser's figures start
         afresh, so what follows does not depend on where the prompt's cache came from; with `learned`
         the chooser keeps what it learned (as a chat's later turns do: a benchmark of the steady state).
         With `logits` (the prompt's last position, as prefill kept them in `prompt_logits`), the first
@@ -165,7 +166,7 @@ class Generator:
         try:
             self.full.cache.rollback(len(prompt))
             self.full.cache.queries = [q[None] for q in queries]
-            self.sampling.generator.manual_seed(self.cfg.seed)
+            self.sampling.generator.manual_seed(self.cfg.seed if seed is None else seed)
             if logits is not None:
                 first = int(self.sampling.pick(logits.to(self.device))[0][0])
             context = list(prompt) + ([] if first is None else [first])

@@ -73,6 +73,7 @@ class Stats:
             "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second,
             "acceptance": {key: self.acceptance(key) for key in sorted(self.proposed)},
+            "proposed": dict(self.proposed), "accepted": dict(self.accepted),  # acceptance's counts, to pool runs
             "tokens_per_full_pass": self.tokens_per_full_pass,
             "full_passes": self.full_passes,
             "passes": {k: self.passes.get(k, 0) for k in LEVEL_ORDER},
