@@ -45,6 +45,7 @@ MODEL = "models/smollm2-135m"
 
 
 CONTEXTS, REHEARSAL_CONTEXTS = "4096,32768", "512,1024"
+WRITES_JSON = ("bench.bench", "bench.op_forms", "bench.big_target", "bench.verification")  # take --out
 SAMPLED_REPEATS = 4  # sampled steps: four 64-token texts a row (seeds 0-3), about 7 s more a step on an H200
 # the rehearsal's model: the checkpoint's first layers. All 30 of SmolLM2's made the rehearsal take
 # over 15 minutes on a 2-core Xeon without bf16 dot products (its compiled steps over 5 each), and
@@ -121,6 +122,16 @@ def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str 
                  "--gamma2", "16", "--systems", "autoregressive,retrieval,triforce,triforce-gamma1-4,adaptive"]
     out.append(("published sampling kv host", [*published, "--temperature", "0.6", "--top-p", "0.9",
                                                 "--repeats", str(SAMPLED_REPEATS)]))
+    # the sampled acceptance at 32K against the CPU's in the same settings (session 54's page: the
+    # story of Moby Dick, top-p 1, triforce gamma1 1 gamma2 6 budget 8,192, 0.63-0.70 in float32 on
+    # CPU, where session 40's H200 row stood at 0.55 after the licence): 4 seeds of 96 tokens, each
+    # full verification's expected kept drafts by both rules (bench/verification.py), about a minute
+    verify_context = str(int(longest) - 64)  # + 96 new tokens: the CPU runs' YaRN factor (4.25 at 32K)
+    out.append(("verification kv host sampled", [
+        "bench.verification", "--model", model, "--draft", "self", *(["--prompt-file", prompt_file] if prompt_file else []),
+        "--context", verify_context, "--offload", "host", "--dtype", "bfloat16", "--modes", "retrieval,triforce",
+        "--gamma1", "1", "--gamma2", "6", "--budget", "8192" if not rehearse else "256", "--seeds", "4",
+        "--new-tokens", "96" if not rehearse else "8", "--top-p", "1.0"]))
     # where the time goes (bench/timeline.py: kernels, copies, their overlap, the device idle): plain
     # decoding in host memory at 4K ran 1.36x its link floor a token, the pass alone 1.27x (session
     # 36), and the adaptive default spent 0.2-0.6 ms a token more than its passes' sum (session 37)
@@ -186,7 +197,7 @@ def rehearsal_model(folder: str | Path, scratch: Path) -> Path:
 def run_step(name: str, argv: list[str], scratch: Path, timeout: float) -> dict:
     """One tool in its own process; a bench step's --out JSON (or a tool's JSON lines) is kept."""
     out_file = scratch / (name.replace(" ", "-").replace("=", "eq") + ".json")
-    command = [sys.executable, "-m", *argv] + (["--out", str(out_file)] if argv[0] in ("bench.bench", "bench.op_forms", "bench.big_target") else [])
+    command = [sys.executable, "-m", *argv] + (["--out", str(out_file)] if argv[0] in WRITES_JSON else [])
     print(f"[gpu_figures] {name}: {' '.join(command[2:])}", flush=True)
     start = time.perf_counter()
     try:

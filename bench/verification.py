@@ -114,11 +114,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="the compute dtype (auto: generate's default on this machine)")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "same", "bfloat16", "float16", "float32"])
+    ap.add_argument("--offload", default="none", choices=["none", "host"], help="host: the full KV cache in host memory")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     run = make_settings(model=args.model, draft=args.draft, threads=args.threads, context=args.context, max_new_tokens=args.new_tokens,
                         temperature=args.temperature, top_p=args.top_p, gamma1=args.gamma1, gamma2=args.gamma2, budget=args.budget,
-                        dtype=args.dtype, kv_dtype=args.kv_dtype, adaptive=False)
+                        dtype=args.dtype, kv_dtype=args.kv_dtype, offload=args.offload,
+                        adaptive=False)
     session = open_story_session(run, Path(args.prompt_file).read_text(), args.context)
     prompt = session.prompt_ids
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -157,8 +159,15 @@ def summarise(mode, cfg, results) -> dict:
                                 "acceptance": {e: kept / proposed for e, (proposed, kept) in r["edges"].items() if proposed}}
                          for rule, r in results.items()},
             "expected": {"verifications": len(gains), "block": statistics.fmean(block), "token": statistics.fmean(token),
+                         # each rule's mean over verifications: its standard error, to set runs of other
+                         # settings (a dtype, a prompt) beside each other, where nothing is paired
+                         "block_stderr": stderr(block), "token_stderr": stderr(token),
                          "gain": statistics.fmean(gains),
-                         "gain_stderr": statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else None}}
+                         "gain_stderr": stderr(gains)}}
+
+
+def stderr(values) -> float | None:
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
 
 
 def table(rows) -> str:

@@ -46,10 +46,19 @@ def test_the_plan_covers_the_figures():
     assert "--temperature 0.8" in " ".join(plan["compiled kv host sampled"])
     # the missing figures first: host greedy (our drafter, then drafts looked up: the triforce target's
     # best chance), then the resident cache against transformers' static one
-    assert [n for n in plan][2:13] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
+    assert [n for n in plan][2:14] == ["kv host greedy", "lookup kv host greedy", "kv host sampled", "lookup kv host sampled",
                                     "kv gpu greedy", "gamma2 6 kv host greedy", "gamma2 6 kv host sampled",
-                                    "published sampling kv host", "timeline kv host", "timeline kv gpu",
-                                    "compiled kv host greedy"]
+                                    "published sampling kv host", "verification kv host sampled", "timeline kv host",
+                                    "timeline kv gpu", "compiled kv host greedy"]
+    # sampled rows pool four seeds at an explicit top-p; the CPU's acceptance at 32K, measured on the GPU
+    for step in ("kv host sampled", "lookup kv host sampled", "gamma2 6 kv host sampled", "published sampling kv host"):
+        argv = plan[step]
+        assert argv[len(argv) - 1 - argv[::-1].index("--repeats") + 1] == str(gpu_figures.SAMPLED_REPEATS) == "4", step
+    assert "--top-p 1.0" in " ".join(plan["kv host sampled"])
+    verification = " ".join(plan["verification kv host sampled"])
+    assert verification.startswith("bench.verification") and "bench.verification" in gpu_figures.WRITES_JSON
+    assert all(flag in verification for flag in ("--context 32704", "--offload host", "--dtype bfloat16", "--budget 8192",
+                                                  "--gamma1 1 --gamma2 6", "--seeds 4", "--new-tokens 96", "--top-p 1.0"))
     # sampled as TriForce's paper did, gamma 16 for every system
     published = " ".join(plan["published sampling kv host"])
     assert "--temperature 0.6 --top-p 0.9" in published and "--gamma2 16" in published and "triforce" in published
