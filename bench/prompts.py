@@ -16,6 +16,7 @@ from triforce.model.errors import UserError
 
 # Gutenberg's markers: "*** START OF THIS PROJECT GUTENBERG EBOOK MOBY DICK ***", "*** END OF THE ..."
 STORY_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG E-?BOOK[^\n]*$", re.MULTILINE | re.IGNORECASE)
+CUT_MARGIN = 16  # tokens past those kept before the prefix's cut, or the whole story is encoded
 STORY_END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG E-?BOOK[^\n]*$", re.MULTILINE | re.IGNORECASE)
 
 
@@ -32,13 +33,14 @@ def story_prompt(tokenizer, text: str, tokens: int | None) -> list[int]:
     """The first `tokens` token ids of the story of `text` (None, or more than it has: all of them;
     the benches skip a context longer than that), encoded as a continuation (no special tokens)."""
     # a prefix of the text is enough, and encoding a whole 1.2 MB book takes seconds: English prose runs
-    # about 4 characters a token, so 8 a token is plenty; the rest is encoded only when it was not
+    # about 4 characters a token, so 8 a token is plenty; the whole is encoded when it was not, or when
+    # the tokens kept come near the cut (a word cut there encodes otherwise)
     story = story_text(text)
     if not story:
         raise UserError("the prompt file holds no text; name a book (or any text) with --prompt-file")
     prefix = story if tokens is None else story[:8 * tokens + 64]
     ids = tokenizer.encode(prefix, add_special_tokens=False)
-    if tokens is not None and len(ids) < tokens and len(prefix) < len(story):
+    if tokens is not None and len(ids) < tokens + CUT_MARGIN and len(prefix) < len(story):
         ids = tokenizer.encode(story, add_special_tokens=False)
     return ids[:tokens]
 

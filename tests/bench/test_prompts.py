@@ -43,6 +43,9 @@ def test_a_prompt_is_the_storys_first_tokens():
     long_words = " ".join("x" * 40 + str(i) for i in range(50))  # 41-42 characters a token: the prefix falls short
     tok = Words()
     assert len(story_prompt(tok, long_words, 30)) == 30 and len(tok.calls) == 2
+    near = " ".join("abcdef" + str(i % 10) for i in range(400))  # 8 characters a token: the kept ones end near the cut
+    tok = Words()
+    assert story_prompt(tok, near, 30) == Words().encode(near, add_special_tokens=False)[:30] and len(tok.calls) == 2
 
 
 def test_an_empty_book_is_one_line_that_names_the_fix():
