@@ -10,23 +10,16 @@ plain) from its first token, `context` tokens long.
 """
 from __future__ import annotations
 
-import re
-
 from triforce.model.errors import UserError
+from triforce.runtime.text import gutenberg_story
 
-# Gutenberg's markers: "*** START OF THIS PROJECT GUTENBERG EBOOK MOBY DICK ***", "*** END OF THE ..."
-STORY_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG E-?BOOK[^\n]*$", re.MULTILINE | re.IGNORECASE)
 CUT_MARGIN = 16  # tokens past those kept before the prefix's cut, or the whole story is encoded
-STORY_END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG E-?BOOK[^\n]*$", re.MULTILINE | re.IGNORECASE)
 
 
 def story_text(text: str) -> str:
     """A book's story: the text between Project Gutenberg's start and end markers where it has them
-    (else all of it), with "\\r\\n" line ends made "\\n"."""
-    text = text.replace("\r\n", "\n")
-    start, end = STORY_START.search(text), STORY_END.search(text)
-    begin = start.end() if start else 0
-    return text[begin:end.start() if end and end.start() > begin else len(text)].strip()
+    (else all of it, stripped), with "\\r\\n" line ends made "\\n"."""
+    return gutenberg_story(text.replace("\r\n", "\n"))[0].strip()
 
 
 def story_prompt(tokenizer, text: str, tokens: int | None) -> list[int]:

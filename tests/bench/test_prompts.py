@@ -5,6 +5,7 @@ import pytest
 
 from bench.prompts import story_prompt, story_text
 from triforce.model.errors import UserError
+from triforce.runtime.text import gutenberg_story
 
 BOOK = ("The Project Gutenberg EBook of A Tale\r\n\r\nRelease Date: 1851\r\n\r\n"
         "*** START OF THIS PROJECT GUTENBERG EBOOK A TALE ***\r\n\r\nCall me Ishmael. Some years ago,\r\n"
@@ -29,6 +30,14 @@ def test_the_story_is_between_the_markers_with_plain_line_ends():
     assert story_text("  Persuasion\r\n\r\nFinis\n") == "Persuasion\n\nFinis"  # no markers: all of it
     older = BOOK.replace("*** START OF THIS", "***START OF THE").replace("EBOOK A TALE ***\r\n\r\nSection", "E-BOOK ***\r\n\r\nSection")
     assert story_text(older).startswith("Call me Ishmael") and "General Terms" not in story_text(older)
+
+
+def test_what_the_markers_leave_out_is_counted():
+    story, cut = gutenberg_story(BOOK)
+    assert story == "Call me Ishmael. Some years ago,\r\nnever mind how long." and cut == len(BOOK) - len(story)
+    assert gutenberg_story("Persuasion\n\nFinis\n") == ("Persuasion\n\nFinis\n", 0)  # no markers: as it is
+    only_end = "A tale.\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence"
+    assert gutenberg_story(only_end) == ("A tale.", len(only_end) - len("A tale."))
 
 
 def test_a_prompt_is_the_storys_first_tokens():

@@ -379,6 +379,26 @@ def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
     assert "fits the model's 4,096 positions, with 100 tokens for the conversation" in said.getvalue()
 
 
+def test_a_gutenberg_books_header_and_licence_are_left_out(tiny_folder, tmp_path, capsys):
+    """A Project Gutenberg file: the model reads the story between the markers, and the note says what
+    was left out; a book without markers is read whole (every other test here)."""
+    rng = random.Random(7)
+    story = " ".join(f"t{rng.randrange(3, 64)}" for _ in range(300))
+    text = ("The Project Gutenberg EBook of Tiny\r\n\r\n*** START OF THIS PROJECT GUTENBERG EBOOK TINY ***\r\n\r\n"
+            + story + "\r\n\r\n*** END OF THIS PROJECT GUTENBERG EBOOK TINY ***\r\n" + " t9" * 200)
+    path = tmp_path / "tiny.txt"
+    path.write_text(text, newline="")
+    c = chat.start(make_args(tiny_folder, path, tmp_path / "cache"), interactive=False)
+    said = " ".join(capsys.readouterr().err.split())
+    assert (f"tiny.txt: reading the book between Project Gutenberg's start and end markers (their header and "
+            f"licence, {len(text) - len(story):,} characters, left out)") in said
+    ids = load_tokenizer(tiny_folder).encode(story, add_special_tokens=False, split_special_tokens=True)
+    head = len(c.book.fmt.markup(c.book.fmt.book_head))
+    assert c.book.tokens == len(ids) and c.book.prompt[head:head + len(ids)] == ids
+    check_lossless(c, c.ask("t5 t6"))
+    c.close()
+
+
 def test_chat_template_pieces(tiny_folder):
     tok = load_tokenizer(tiny_folder)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

@@ -26,7 +26,7 @@ from .book_memo import BookMemo
 from .prompt_cache import ids_digest, run_key
 from .prefill import CHECKPOINT_SECONDS, resume_checkpoints, say_kept
 from .settings import Settings, context_positions
-from .text import read_text
+from .text import gutenberg_story, read_text
 
 log = logging.getLogger("triforce")
 
@@ -164,14 +164,25 @@ def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None, mem
     return Book(name, digest, len(ids), kept, fmt.book(ids[len(ids) - kept:]), fmt)
 
 
+def read_book(path: str | Path, report: Reporter) -> str:
+    """The book's text, less Project Gutenberg's header and licence where its markers say (they would
+    take a few thousand tokens of the context and are not the book), with a note saying so."""
+    path = Path(path)
+    text, cut = gutenberg_story(read_text(path, "book"))
+    if cut:
+        report.note(f"{path.name}: reading the book between Project Gutenberg's start and end markers "
+                    f"(their header and licence, {cut:,} characters, left out)")
+    return text
+
+
 def prepare_book(opts: ChatOptions, tok, report: Reporter, confirm: Callable[[str], bool] | None = None,
                  text: str | None = None, memo: BookMemo | None = None) -> Book:
-    """Read (unless `text` is the book, already read), tokenize and wrap the book; tell the user its
+    """Read (read_book, unless `text` is the book, already read), tokenize and wrap the book; tell the user its
     size and whether it fits. It is never cut silently: a book too long is an error naming
     Settings.context, or, when `confirm` can ask the user (a terminal), a question. `memo`: the ids and
     the template's pieces as the last start on these files computed them (book_memo.py)."""
     path, room = Path(opts.book), opts.room
-    text = read_text(path, "book") if text is None else text
+    text = read_book(path, report) if text is None else text
     ids = memo.ids(text, book_ids(tok)) if memo is not None else book_ids(tok)(text)
     digest = hashlib.sha256(text.encode()).hexdigest()
     book = wrap_book(tok, path.name, digest, ids, opts.run.context, memo)

@@ -21,13 +21,13 @@ from triforce.model.errors import UserError
 from triforce.speculative.stats import Stats
 
 from .book import (Book, ChatOptions, Reporter, book_ids, cache_root, choose_chat_model, load_or_prefill, prepare_book,
-                   reading_warning, saved_cache, stop_ids)
+                   read_book, reading_warning, saved_cache, stop_ids)
 from .book_memo import BookMemo
 from . import learned
 from .defaults import MODELS_DIR
 from .prompt_cache import keep_window, kept_window
 from .settings import generation_plan, with_sampling
-from .text import read_text, unwrapped
+from .text import unwrapped
 
 
 @dataclass
@@ -172,7 +172,7 @@ def open_chat(opts: ChatOptions, report: Reporter | None = None, confirm: Callab
     from .session import Session
 
     report = report or Reporter()
-    text = read_text(opts.book, "book")  # a bad book file: one clear line, before anything loads
+    text = read_book(opts.book, report)  # a bad book file: one clear line, before anything loads
     run = opts.run
     if run.model is None:  # the strongest prepared model that reads a book this long
         model, why = choose_chat_model(len(text), opts.room, MODELS_DIR)
