@@ -26,7 +26,7 @@ def test_qwen_when_prepared_and_the_book_fits(tmp_path):
 def test_smollm2_alone_is_chosen_and_the_choice_says_so(tmp_path):
     models = prepared(tmp_path, "smollm2-135m")
     model, why = choose_chat_model(book_chars=420_000, room=2048, models_dir=models)
-    assert model == str(models / "smollm2-135m") and "longer than it documents" in why
+    assert model == str(models / "smollm2-135m") and "model; the book is longer than its 8,192 documented positions)" in why
     short, why = choose_chat_model(book_chars=20_000, room=2048, models_dir=models)
     assert short == model and "cover the book" in why
 

@@ -361,7 +361,7 @@ def choose_chat_model(book_chars: int, room: int, models_dir: Path) -> tuple[str
     tokens = book_chars // 4 + room
     name, positions = next(((n, p) for n, p in prepared if p >= tokens), prepared[0])
     why = "the strongest prepared model" + (f" whose {positions:,} documented positions cover the book"
-                                             if positions >= tokens else " (the book is longer than it documents)")
+                                             if positions >= tokens else f"; the book is longer than its {positions:,} documented positions")
     return str(models_dir / name), f"chat model: {name} ({why}); Settings.model picks another"
 
 
