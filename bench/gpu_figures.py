@@ -15,7 +15,8 @@ Each step runs the existing tool as its own process, so one failing step leaves 
 the JSON holds every step's command, exit status, seconds and results, and is rewritten after every
 step, so a call stopped at its limit still returns what was done. A lent machine's time is short:
 `--deadline S` gives the whole plan S seconds (each step's limit shrinks to what is left, a step with
-too little left is recorded as skipped), and `--only`/`--skip` split the plan between calls.
+too little left is recorded as skipped), and `--only`/`--skip` split the plan between calls;
+`--call 1`/`--call 2` are the next lease's two (LEASE_CALLS).
 Without CUDA it prints one line and exits 2. `--rehearse` runs the same plan on this machine's CPU at
 512 and 1,024 tokens (8 new tokens, the model's first 4 layers, the link step on random weights of 2
 layers): it proves every step's command runs before device time is spent on it (its figures mean
@@ -55,6 +56,17 @@ REHEARSAL_LAYERS = 4
 # while the model's second half is on its way (docs/gpu-session.md)
 NO_MODEL = "link floor,op forms,op forms llama-3,graph == eager tokens,kernels per layer,big target"
 MIN_STEP_SECONDS = 20  # a step given less than this is skipped rather than started and cut
+# the next lease's two calls (docs/gpu-session.md), so that a session with a GPU spends no time
+# composing them: (the steps each runs, its deadline in seconds; None: --deadline, what is left).
+# Call 1 runs while the model's second half travels: the op forms, tests/gpu (with its sampling law
+# cases, which come before every speed figure) and the kernels per layer, never measured on a GPU.
+# Call 2: the host-memory regime greedy and sampled, the sampled acceptance beside the CPU's, TriForce's
+# published sampling, the timeline, transformers' static cache, the float32 equality check.
+LEASE_CALLS = {
+    1: ("op forms,graph == eager tokens,kernels per layer", 310.0),
+    2: ("kv host greedy,kv host sampled,verification kv host sampled,published sampling kv host,timeline kv host,"
+        "float32 greedy equality (kv host),kv gpu greedy", None),
+}  # each call runs its steps in this order (transformers' static cache compiles for minutes: last)
 
 
 def steps(model: str, new_tokens: int, rehearse: bool = False, prompt_file: str | None = None) -> list[tuple[str, list[str]]]:
@@ -249,8 +261,10 @@ def as_text(out) -> str:
     return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
-def chosen(plan: list[tuple[str, list[str]]], only: str | None, skip: str | None) -> list[tuple[str, list[str]]]:
-    """The plan's steps named by --only (all by default) less those named by --skip (comma-separated)."""
+def chosen(plan: list[tuple[str, list[str]]], only: str | None, skip: str | None,
+           listed_order: bool = False) -> list[tuple[str, list[str]]]:
+    """The plan's steps named by --only (all by default) less those named by --skip (comma-separated),
+    in the plan's order, or (listed_order) in --only's."""
     names = [n for n, _ in plan]
     picked = {}
     for flag, value in (("--only", only), ("--skip", skip)):
@@ -258,7 +272,8 @@ def chosen(plan: list[tuple[str, list[str]]], only: str | None, skip: str | None
         unknown = [n for n in picked[flag] if n not in names]
         if unknown:
             raise UserError(f"{flag}: no step named {', '.join(map(repr, unknown))}; the steps are {', '.join(names)}")
-    return [(n, a) for n, a in plan if (not picked["--only"] or n in picked["--only"]) and n not in picked["--skip"]]
+    kept = [(n, a) for n, a in plan if (not picked["--only"] or n in picked["--only"]) and n not in picked["--skip"]]
+    return sorted(kept, key=lambda step: picked["--only"].index(step[0])) if listed_order else kept
 
 
 def json_lines(text: str) -> list:
@@ -284,11 +299,18 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=float, help="seconds for the whole plan (default: no limit but each step's)")
     p.add_argument("--only", help="comma-separated step names to run (default: all)")
     p.add_argument("--skip", help="comma-separated step names to leave out")
+    p.add_argument("--call", type=int, choices=sorted(LEASE_CALLS),
+                   help="the next lease's call 1 or 2 (LEASE_CALLS: its steps, and call 1's deadline unless --deadline)")
     args = p.parse_args(argv)
+    if args.call is not None:
+        if args.only or args.skip:
+            raise UserError("--call names its own steps; drop --only/--skip, or drop --call")
+        args.only, deadline = LEASE_CALLS[args.call]
+        args.deadline = args.deadline if args.deadline is not None else deadline
     new_tokens = args.new_tokens or (8 if args.rehearse else 64)
     staged = staged_book(MODELS_DIR)
     prompt_file = args.prompt_file or (str(staged) if staged.is_file() else None)
-    plan = chosen(steps(args.model, new_tokens, args.rehearse, prompt_file), args.only, args.skip)
+    plan = chosen(steps(args.model, new_tokens, args.rehearse, prompt_file), args.only, args.skip, args.call is not None)
     if not plan:
         raise UserError("--only/--skip left no step to run")
     import torch
@@ -304,7 +326,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         if args.rehearse:
             cut = rehearsal_model(args.model, Path(scratch))
-            plan = chosen(steps(str(cut), new_tokens, True, prompt_file), args.only, args.skip)
+            plan = chosen(steps(str(cut), new_tokens, True, prompt_file), args.only, args.skip, args.call is not None)
             figures["model"] += f" (first {REHEARSAL_LAYERS} layers)" if cut != Path(args.model) else ""
         for name, step_argv in plan:
             left = args.deadline - (time.perf_counter() - began) if args.deadline is not None else args.step_timeout

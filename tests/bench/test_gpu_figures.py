@@ -154,6 +154,24 @@ def test_a_spent_deadline_skips_steps_and_still_writes_the_json(tmp_path):
                                                        ("link floor", "skipped (deadline)")]
 
 
+@pytest.mark.parametrize("call", [1, 2])
+def test_the_next_leases_calls_are_named_steps_in_the_plans_order(tmp_path, call):
+    """--call N runs LEASE_CALLS[N]'s steps, which all exist, in the order listed there; call 1 brings
+    its own deadline and call 2 takes --deadline (what the lease has left)."""
+    out = tmp_path / "x.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--call", str(call), "--deadline", "0",
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1, done.stdout + done.stderr  # every step skipped by the spent deadline
+    ran = [s["name"] for s in json.loads(out.read_text())["steps"]]
+    listed = gpu_figures.LEASE_CALLS[call][0].split(",")
+    assert ran == listed
+    assert gpu_figures.LEASE_CALLS[1][1] and gpu_figures.LEASE_CALLS[2][1] is None
+    assert set(gpu_figures.LEASE_CALLS[1][0].split(",")) <= set(gpu_figures.NO_MODEL.split(","))  # before the model
+    refused = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--call", str(call), "--only",
+                              "op forms"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and refused.stderr.strip() == "error: --call names its own steps; drop --only/--skip, or drop --call"
+
+
 def test_a_bad_step_name_is_one_line():
     done = subprocess.run([sys.executable, "-m", "bench.gpu_figures", "--rehearse", "--only", "nope"],
                           capture_output=True, text=True, cwd=ROOT)

@@ -390,8 +390,8 @@ def test_a_gutenberg_books_header_and_licence_are_left_out(tiny_folder, tmp_path
     path.write_text(text, newline="")
     c = chat.start(make_args(tiny_folder, path, tmp_path / "cache"), interactive=False)
     said = " ".join(capsys.readouterr().err.split())
-    assert (f"tiny.txt: reading the book between Project Gutenberg's start and end markers (their header and "
-            f"licence, {len(text) - len(story):,} characters, left out)") in said
+    assert (f"tiny.txt: read between Project Gutenberg's start and end markers (its header and licence, "
+            f"{len(text) - len(story):,} characters, left out)") in said
     ids = load_tokenizer(tiny_folder).encode(story, add_special_tokens=False, split_special_tokens=True)
     head = len(c.book.fmt.markup(c.book.fmt.book_head))
     assert c.book.tokens == len(ids) and c.book.prompt[head:head + len(ids)] == ids

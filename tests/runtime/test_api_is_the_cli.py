@@ -56,3 +56,27 @@ def test_errors_name_settings_in_python_and_flags_on_the_command_line(model):
     proc = subprocess.run(command("generate", "--model", model, "--prompt", "t3 t4", "--max-new-tokens", "0"),
                           capture_output=True, text=True, timeout=120)
     assert proc.stderr.strip().splitlines()[-1] == "error: --max-new-tokens must be >= 1 (got 0)"
+
+
+def test_a_gutenberg_prompt_file_is_read_between_its_markers(model, tmp_path, caplog):
+    """A prompt file with Project Gutenberg's markers: both front ends continue its story, not its
+    licence, and say what they left out; a prompt given as a string is taken as it is."""
+    book = tmp_path / "book.txt"
+    wrapped = ("The Project Gutenberg EBook of T\n\n*** START OF THIS PROJECT GUTENBERG EBOOK T ***\n\n" + PROMPT
+               + "\n\n*** END OF THIS PROJECT GUTENBERG EBOOK T ***\n" + " t9" * 100)
+    book.write_text(wrapped)
+    note = (f"book.txt: read between Project Gutenberg's start and end markers (its header and licence, "
+            f"{len(wrapped) - len(PROMPT):,} characters, left out)")
+    flags = {"mode": "autoregressive", "max_new_tokens": 6}
+    cli = subprocess.run(command("generate", "--model", model, "--prompt-file", str(book), "--json", "--mode",
+                                 "autoregressive", "--max-new-tokens", "6"), capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    assert note in " ".join(cli.stderr.split())
+    with caplog.at_level("INFO", logger="triforce"):
+        from_file = triforce.generate(prompt_file=str(book), model=str(model), **flags)
+    assert note in caplog.text
+    story = triforce.generate(PROMPT, model=str(model), **flags)
+    assert from_file.tokens == story.tokens == json.loads(cli.stdout)["tokens"]
+    assert from_file.report["prompt_tokens"] == story.report["prompt_tokens"]
+    as_given = triforce.generate(wrapped, model=str(model), **flags)
+    assert as_given.report["prompt_tokens"] > story.report["prompt_tokens"]

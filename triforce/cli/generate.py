@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from triforce.cli.common import (DEFAULT_PROMPT_FILE, Settings, add_engine_args, add_model_args, check_flags,
-                                 make_settings, open_session, read_text, run_cli)
+                                 make_settings, open_session, run_cli)
 from triforce.cli.progress import prefill_progress, watch_layers
+from triforce.runtime.text import read_prompt_file
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,15 @@ def parse_args(argv) -> GenerateOptions:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    text = opts.prompt if opts.prompt is not None else read_text(opts.prompt_file)
+    text, note = (opts.prompt, None) if opts.prompt is not None else read_prompt_file(opts.prompt_file)
     # imported here, not at the top, so that torch first loads under run_cli, where a Ctrl-C during
     # its import is a clean "interrupted"
     from triforce.cli.stats import print_session_stats
     from triforce.runtime.api import run_generation
 
     session = open_session(opts.run, text, load=False)
+    if note and session.is_main:
+        session.say(note)
     out = session.stdout
     bar: dict = {}  # made when the prefill starts: its clock and rate then leave out compiling and loading
 

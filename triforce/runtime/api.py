@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # torch loads with the engine, not with the settings
 
 from .defaults import DEFAULT_PROMPT_FILE
 from .settings import Settings, make_settings, with_sampling
-from .text import StreamingText, read_text
+from .text import StreamingText, read_prompt_file
 
 EMBEDDED_CONTEXT = 4096  # the embedded job continues the last 4,096 tokens of a book's first chapters
 
@@ -79,11 +79,14 @@ def generate(prompt: str | list[int] | None = None, *, prompt_file: str | Path |
     if prompt is not None and prompt_file is not None:
         raise ValueError("give a prompt or a prompt_file, not both")
     run = job_settings(make_settings(None, None, **settings), embedded=prompt is None and prompt_file is None)
+    note = None
     if prompt is None:
-        prompt = read_text(prompt_file or DEFAULT_PROMPT_FILE)
+        prompt, note = read_prompt_file(prompt_file or DEFAULT_PROMPT_FILE)
     from .session import Session
 
     session = Session(run, prompt)
+    if note and session.is_main:
+        session.say(note)
     try:
         return run_generation(session, on_tokens, on_text, on_prefill)
     finally:

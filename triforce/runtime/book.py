@@ -26,7 +26,7 @@ from .book_memo import BookMemo
 from .prompt_cache import ids_digest, run_key
 from .prefill import CHECKPOINT_SECONDS, resume_checkpoints, say_kept
 from .settings import Settings, context_positions
-from .text import gutenberg_story, read_text
+from .text import read_prompt_file
 
 log = logging.getLogger("triforce")
 
@@ -165,13 +165,11 @@ def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None, mem
 
 
 def read_book(path: str | Path, report: Reporter) -> str:
-    """The book's text, less Project Gutenberg's header and licence where its markers say (they would
-    take a few thousand tokens of the context and are not the book), with a note saying so."""
-    path = Path(path)
-    text, cut = gutenberg_story(read_text(path, "book"))
-    if cut:
-        report.note(f"{path.name}: reading the book between Project Gutenberg's start and end markers "
-                    f"(their header and licence, {cut:,} characters, left out)")
+    """The book's text (text.read_prompt_file: without Project Gutenberg's header and licence, which
+    would take a few thousand tokens of the context and are not the book), said in a note."""
+    text, note = read_prompt_file(path, "book")
+    if note:
+        report.note(note)
     return text
 
 

@@ -72,6 +72,17 @@ def gutenberg_story(text: str) -> tuple[str, int]:
     return story, len(text) - len(story)
 
 
+def read_prompt_file(path: str | Path, what: str = "prompt file") -> tuple[str, str | None]:
+    """A prompt file's or book's text, less Project Gutenberg's header and licence where its markers
+    say (gutenberg_story), and a one-line note saying what was left out (None: nothing was). A
+    prompt given as a string is taken as it is."""
+    text, cut = gutenberg_story(read_text(path, what))
+    if not cut:
+        return text, None
+    return text, (f"{Path(path).name}: read between Project Gutenberg's start and end markers (its header and "
+                  f"licence, {cut:,} characters, left out)")
+
+
 # a line break between two characters that are not blank: inside a paragraph (a blank line ends one),
 # the next line not indented (verse and block quotes often are)
 WRAP = re.compile(r"(?<=\S)[ \t]*\r?\n(?=\S)")
