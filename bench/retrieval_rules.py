@@ -21,6 +21,12 @@ cache's distribution:
 
 One difference from a generation: the middle level here keeps its own K/V of the continuation, where
 the engine copies in the full cache's K/V of committed tokens. Writes results/retrieval_rules-<time>.json.
+
+A book is its story (bench/prompts.py: Project Gutenberg's header and licence cut), and a context
+past the model's trained positions gets the RoPE scaling a run of that length gets (session 55;
+before, the bench ran such a context unscaled). The "+ summaries" rules (session 55) attend, beside
+the engine's slots, a first-order summary of every 32 or 8 positions the budget leaves out
+(group_summaries): a measured no (docs/results/2026-11-29-cpu-gutenberg-files-and-lease-calls.md).
 """
 from __future__ import annotations
 
@@ -32,9 +38,12 @@ from pathlib import Path
 
 import torch
 
+from bench.prompts import story_text
+from triforce.model.config import ModelConfig
 from triforce.model.loader import load_model, load_tokenizer
+from triforce.runtime.settings import resolve_rope
 from triforce.speculative.caches import FullCache
-from triforce.speculative.retrieval import RetrievalCache, attention_mass
+from triforce.speculative.retrieval import RetrievalCache, attention_mass, plan_selection
 from triforce.speculative.sampling import Sampler
 
 DEFAULT_MODEL = "models/smollm2-135m"
@@ -67,6 +76,69 @@ def rule(name: str, scores: str, recent_share: float = 0.0, queries: int = 1) ->
     return type(name, (RetrievalCache,), {"chunk_scores": chunk_scores, "RECENT_SHARE": recent_share})
 
 
+def group_summaries(keys: torch.Tensor, values: torch.Tensor, free: torch.Tensor, query: torch.Tensor,
+                    group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summaries of the positions a cache does not hold, `group` at a time, per query head: for the
+    build query q0 (Hq, D), each group's log-mass lse = logsumexp_i(q0.k_i s) over its free positions,
+    and its keys and values weighted by that softmax (k*, v*). A later query q scores the group
+    q.k* s + (lse - q0.k* s): the first-order expansion of the group's log-mass around q0, exact at q0.
+    keys, values (Hkv, G * group, D); free (Hkv, G * group) bool. Returns k*, v* (Hq, G, D) and the
+    bias (Hq, G), -inf for a group with no free position."""
+    Hkv, n, D = keys.shape
+    Hq, scale = query.shape[0], D ** -0.5
+    per_kv = Hq // Hkv
+
+    def by_head(x: torch.Tensor) -> torch.Tensor:  # (Hkv, n, ...) -> (Hq, G, group, ...), query heads grouped
+        return x.repeat_interleave(per_kv, 0).view(Hq, n // group, group, *x.shape[2:])
+
+    k, v, f = by_head(keys.double()), by_head(values.double()), by_head(free)
+    q0 = query.double()
+    logits = torch.einsum("hd,hgsd->hgs", q0, k).mul(scale).masked_fill(~f, -float("inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    k_star, v_star = torch.einsum("hgs,hgsd->hgd", weights, k), torch.einsum("hgs,hgsd->hgd", weights, v)
+    bias = (lse - torch.einsum("hd,hgd->hg", q0, k_star) * scale).masked_fill(~f.any(-1), -float("inf"))
+    return k_star, v_star, bias
+
+
+def summarized(base: type, group: int) -> type:
+    """`base`'s cache plus a summary (group_summaries) of every `group` positions it does not hold,
+    attended beside its slots: does the mass the budget leaves out carry what the middle level lacks?
+    Eager float64 attention of the bench's own (never the engine's kernels): group 1 is the full cache."""
+    class Summarized(base):
+        def build(self, full, n_tokens, queries):
+            super().build(full, n_tokens, queries)
+            n = n_tokens // group * group
+            self.summaries = []
+            for layer in range(self.shape.num_layers):
+                scores = self.chunk_scores(full, layer, queries[layer], n_tokens // self.chunk)
+                index, _, _ = plan_selection(n_tokens, self.budget, self.chunk, scores, int(self.budget * self.RECENT_SHARE))
+                free = torch.ones(index.shape[0], n_tokens, dtype=torch.bool).scatter_(1, index, False)[:, :n]
+                keys, values = full.read(layer, 0, n)
+                query = queries[layer][-1] if queries[layer].dim() == 3 else queries[layer]
+                self.summaries.append(group_summaries(keys, values, free, query, group))
+
+        def run_stack(self, stack, x, cos, sin):
+            return None  # every layer through attend below
+
+        def attend(self, layer, q, k, v):
+            T, Hq, D = q.shape
+            self.k[layer, :, self.used:self.used + T] = k.transpose(0, 1)
+            self.v[layer, :, self.used:self.used + T] = v.transpose(0, 1)
+            keys = self.k[layer, :, :self.used + T].double().repeat_interleave(Hq // k.shape[1], 0)
+            values = self.v[layer, :, :self.used + T].double().repeat_interleave(Hq // k.shape[1], 0)
+            k_star, v_star, bias = self.summaries[layer]
+            qd, S = q.double().transpose(0, 1), keys.shape[1]  # (Hq, T, D)
+            slots = (qd @ keys.transpose(1, 2) * D ** -0.5).masked_fill(
+                ~torch.ones(T, S, dtype=torch.bool).tril(S - T), -float("inf"))
+            groups = qd @ k_star.transpose(1, 2) * D ** -0.5 + bias[:, None]
+            weights = torch.cat((groups, slots), dim=-1).softmax(-1)
+            out = weights[..., :groups.shape[-1]] @ v_star + weights[..., groups.shape[-1]:] @ values
+            return out.transpose(0, 1).reshape(T, Hq * D).to(q.dtype)
+
+    return type(f"{base.__name__}, summaries of {group}", (Summarized,), {})
+
+
 RULES = {name: rule(name, *how) for name, how in {
     "mean key (TriForce's)": ("mean key",),
     "recent only": ("recent",),
@@ -77,6 +149,7 @@ RULES = {name: rule(name, *how) for name, how in {
     "mass + recent half": ("mass", 0.5),
     "mass, 16 queries + recent half": ("mass", 0.5, 16),
 }.items()}
+RULES |= {f"mass + recent half + summaries of {g}": summarized(RULES["mass + recent half"], g) for g in (32, 8)}
 
 
 def full_logits(model, ids: torch.Tensor, context: int) -> tuple[FullCache, torch.Tensor, list[torch.Tensor]]:
@@ -168,8 +241,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, torch.float32, "cpu", max_len=args.context + args.continuation)
-    books = {Path(b).stem: tokenizer.encode(Path(b).read_text(encoding="utf-8")) for b in args.books.split(",") if b}
+    # past the trained positions, the RoPE scaling a run of this length gets (YaRN, said on stderr)
+    cfg = resolve_rope(ModelConfig.from_folder(args.model), args.context + args.continuation, "auto", say)
+    model = load_model(args.model, torch.float32, "cpu", cfg=cfg, max_len=args.context + args.continuation)
+    books = {Path(b).stem: tokenizer.encode(story_text(Path(b).read_text(encoding="utf-8")), add_special_tokens=False)
+             for b in args.books.split(",") if b}
     rows = compare(model, books, args.context, args.continuation, args.budget, args.chunk, rules)
     means = summary(rows, args.gamma2)
     out = args.out or Path("results") / f"retrieval_rules-{time.strftime('%Y%m%d-%H%M%S')}.json"

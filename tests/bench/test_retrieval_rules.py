@@ -103,3 +103,32 @@ def test_an_unknown_rule_is_named_before_any_load(capsys):
     with pytest.raises(SystemExit):
         rr.main(["--model", "/nonexistent", "--rules", "mean key (TriForce's),nope"])
     assert "unknown rule: nope" in capsys.readouterr().err
+
+
+def test_summaries_of_one_position_are_the_full_cache(setup):
+    """Every position the budget leaves out, summarized alone, is that position: the middle level then
+    computes the full cache's distributions (float64), so the summaries' attention is right."""
+    _, _, _, p_logits, _ = setup
+    q_logits, _ = middle(setup, rr.summarized(rr.RULES["mass + recent half"], 1))
+    torch.testing.assert_close(q_logits, p_logits, rtol=1e-9, atol=1e-9)
+    plain, _ = middle(setup, rr.RULES["mass + recent half"])
+    assert not torch.allclose(plain, p_logits)  # the budget does leave something out
+
+
+def test_a_groups_summary_is_exact_at_the_build_query_and_skips_held_positions():
+    gen = torch.Generator().manual_seed(0)
+    Hkv, Hq, n, D, group = 2, 4, 24, 8, 6
+    keys, values = torch.randn(Hkv, n, D, generator=gen, dtype=torch.float64), torch.randn(Hkv, n, D, generator=gen, dtype=torch.float64)
+    free = torch.rand(Hkv, n, generator=gen) < 0.6
+    free[:, :group] = False  # the first group wholly held
+    query = torch.randn(Hq, D, generator=gen, dtype=torch.float64)
+    k_star, v_star, bias = rr.group_summaries(keys, values, free, query, group)
+    assert torch.isinf(bias[:, 0]).all() and torch.isfinite(bias[:, 1:]).all()
+    for h in range(Hq):
+        kv = h // (Hq // Hkv)
+        raw = (query[h] @ keys[kv].T * D ** -0.5).masked_fill(~free[kv], -float("inf"))
+        mass = raw.view(-1, group).logsumexp(-1)
+        scored = query[h] @ k_star[h].T * D ** -0.5 + bias[h]
+        torch.testing.assert_close(scored, mass)  # each group's log-mass, exactly, at the build query
+        exact = torch.softmax(raw, -1) @ values[kv]
+        torch.testing.assert_close(torch.softmax(scored, -1) @ v_star[h], exact)  # and what it returns
