@@ -217,8 +217,9 @@ def summary(rows: list[dict], gamma2: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     keys = [k for k in rows[0] if k != "rule"]
-    lines = [f"{'rule':<32}" + "".join(f"{k:>15}" for k in keys), "-" * (32 + 15 * len(keys))]
-    lines += [f"{r['rule']:<32}" + "".join(f"{r[k]:>15.3f}" for k in keys) for r in rows]
+    width = max(32, *(len(r["rule"]) + 2 for r in rows))
+    lines = [f"{'rule':<{width}}" + "".join(f"{k:>15}" for k in keys), "-" * (width + 15 * len(keys))]
+    lines += [f"{r['rule']:<{width}}" + "".join(f"{r[k]:>15.3f}" for k in keys) for r in rows]
     return "\n".join(lines)
 
 
