@@ -27,6 +27,7 @@ from triforce.cli.common import run_cli
 from triforce.runtime.defaults import DEFAULT_MODEL
 from triforce.runtime.session import Session
 from triforce.runtime.settings import make_settings
+from triforce.runtime.text import read_prompt_file
 from triforce.speculative import Generator
 from triforce.speculative.adaptive import Chooser, tokens_per_verification
 
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     run = make_settings(None, sampling="greedy", model=args.model, draft="self", context=args.context,
                         max_new_tokens=args.new_tokens, threads=args.threads, dtype=args.dtype,
                         gamma1=args.gamma1, gamma2=args.gamma2, budget=args.budget)
-    session = Session(run, Path(args.prompt_file).read_text(encoding="utf-8")).load()
+    session = Session(run, read_prompt_file(args.prompt_file)[0]).load()  # as triforce-generate reads it
     cfg = session.plan_generation()
     max_len = session.needed + 4 * cfg.gamma2
     seed = Generator(session.loaded.models, cfg, "triforce", max_len=max_len)
