@@ -351,7 +351,10 @@ def test_mismatched_cache_is_refused(start, tmp_path):
 
 # ------------------------------------------------------------------------------------- the book
 @pytest.mark.parametrize("content,message", [(None, "does not exist"), (b"  \n", "is empty"),
-                                             (b"t1\x00\x01", "binary"), (b"t5 \xff\xfe t6", "not UTF-8")])
+                                             (b"t1\x00\x01", "binary"), (b"t5 \xff\xfe t6", "not UTF-8"),
+                                             (b"*** START OF THE PROJECT GUTENBERG EBOOK X ***\n \n"
+                                              b"*** END OF THE PROJECT GUTENBERG EBOOK X ***\nt5 t6",
+                                              "holds no text between Project Gutenberg's start and end markers")])
 def test_bad_book_is_one_line(tiny_folder, tmp_path, capsys, content, message):
     path = tmp_path / "book.txt"
     if content is not None:

@@ -79,6 +79,9 @@ def read_prompt_file(path: str | Path, what: str = "prompt file") -> tuple[str, 
     text, cut = gutenberg_story(read_text(path, what))
     if not cut:
         return text, None
+    if not text:
+        raise UserError(f"{what} {path} holds no text between Project Gutenberg's start and end markers; "
+                        f"give a file with the book's text")
     return text, (f"{Path(path).name}: read between Project Gutenberg's start and end markers (its header and "
                   f"licence, {cut:,} characters, left out)")
 
