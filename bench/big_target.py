@@ -41,7 +41,8 @@ from triforce.cli.common import run_cli
 from triforce.model.config import ModelConfig
 from triforce.model.errors import UserError
 from triforce.speculative import GenerationConfig, Generator, Models
-from triforce.speculative.adaptive import Acceptance, Chooser, Plan, tokens_per_verification
+from triforce.speculative.adaptive import Chooser, Plan
+from triforce.speculative.pricing import Acceptance, tokens_per_verification
 from triforce.speculative.stats import LEVEL_ORDER
 
 MODES = ("autoregressive", "speculative", "retrieval", "triforce")

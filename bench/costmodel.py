@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from triforce.model.config import kv_bytes_per_token, parameter_count
-from triforce.speculative.adaptive import seconds_per_token, tokens_per_verification  # noqa: F401 (re-exported)
+from triforce.speculative.pricing import seconds_per_token, tokens_per_verification  # noqa: F401 (re-exported)
 
 GB = 1e9
 
@@ -242,10 +242,10 @@ def ms_per_token_from_passes(mode: str, ms: dict, accept: dict, gamma1: int, gam
     """Milliseconds per token of `mode` from measured milliseconds per pass of each level (ms: draft,
     middle, verify; one figure per level, whatever the tokens fed) and acceptance rates (accept:
     draft->verify, draft->middle, middle->verify), by the arithmetic the adaptive generator
-    chooses with (speculative.adaptive.seconds_per_token; speculative runs gamma1 drafts per pass).
+    chooses with (speculative.pricing.seconds_per_token; speculative runs gamma1 drafts per pass).
 
     A third level pays when its middle tokens, each costing about (gamma1 draft + middle) / E1 (the
-    rounds as the host runs them: adaptive.host_rounds), are cheap enough next to the full pass that
+    rounds as the host runs them: pricing.host_rounds), are cheap enough next to the full pass that
     the longer runs it buys (E2 over E of the drafter alone) win: triforce beats speculative exactly
     when this function says so for both."""
     gamma = gamma1 if mode == "speculative" else gamma2

@@ -29,7 +29,8 @@ from triforce.runtime.session import Session
 from triforce.runtime.settings import make_settings
 from triforce.runtime.text import read_prompt_file
 from triforce.speculative import Generator
-from triforce.speculative.adaptive import Chooser, tokens_per_verification
+from triforce.speculative.adaptive import Chooser
+from triforce.speculative.pricing import tokens_per_verification
 
 MODES = big_target.MODES
 CHECKED_EDGE = {"speculative": "draft->verify", "retrieval": "middle->verify", "triforce": "middle->verify"}

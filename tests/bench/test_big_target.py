@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bench import big_target
-from triforce.speculative.adaptive import Chooser, tokens_per_verification
+from triforce.speculative.adaptive import Chooser
+from triforce.speculative.pricing import tokens_per_verification
 
 
 def test_rehearsal_measures_every_level_and_projects_every_mode(tmp_path):
@@ -97,7 +98,7 @@ def test_each_run_is_checked_at_its_own_plan_and_acceptance():
 
 
 def test_seen_rates_are_successes_over_trials_without_the_prior():
-    from triforce.speculative.adaptive import Acceptance
+    from triforce.speculative.pricing import Acceptance
 
     seen = Acceptance()
     seen.record("middle->verify", 16, 16)  # all stood: no failure

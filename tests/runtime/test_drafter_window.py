@@ -9,7 +9,7 @@ import pytest
 
 import triforce
 from triforce.runtime.chat import open_chat
-from triforce.speculative.engine import Generator
+from triforce.speculative import windows
 
 from ..conftest import tiny_with_tokenizer
 from .test_book_memo import QUESTION, options
@@ -26,15 +26,15 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def window_passes(monkeypatch) -> list[int]:
-    """The drafter windows computed (Generator._prefill_drafter calls), by prompt length."""
+    """The drafter windows computed (windows.prefill calls), by prompt length."""
     calls = []
-    computed = Generator._prefill_drafter
+    computed = windows.prefill
 
-    def counted(self, n):
+    def counted(level, seq, n):
         calls.append(n)
-        return computed(self, n)
+        return computed(level, seq, n)
 
-    monkeypatch.setattr(Generator, "_prefill_drafter", counted)
+    monkeypatch.setattr(windows, "prefill", counted)
     return calls
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from triforce.speculative import GenerationConfig, Generator, Models, generate_ids
-from triforce.speculative.modes import adaptive_modes
-from triforce.speculative.adaptive import (SUB_MODES, Acceptance, Chooser, PassCosts, Plan, full_pass, seconds_per_token,
-                                          tokens_per_verification)
+from triforce.speculative.modes import SUB_MODES, adaptive_modes
+from triforce.speculative.adaptive import Chooser, Plan
+from triforce.speculative.pricing import Acceptance, PassCosts, full_pass, seconds_per_token, tokens_per_verification
 from triforce.model.loader import load_model
 from triforce.speculative.sampling import Sampler
 

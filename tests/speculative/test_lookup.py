@@ -229,8 +229,8 @@ def test_lookups_beside_a_drafter_read_once_per_round(target, monkeypatch):
 
 def test_a_run_with_lookups_counts_their_acceptance_by_match_length(target):
     """The chooser hears each pass's match length and counts a lookup edge's verifications apart by it
-    (adaptive.matched); a model drafter's edges stay pooled. Truncation keeps the index in step."""
-    from triforce.speculative.adaptive import matched
+    (pricing.matched); a model drafter's edges stay pooled. Truncation keeps the index in step."""
+    from triforce.speculative.pricing import matched
 
     ids = looping_prompt(140)
     cfg = GenerationConfig(max_new_tokens=80, budget=48, chunk_size=8, gamma1=3, gamma2=5, draft_window=16,

@@ -44,6 +44,7 @@ from .models import CacheSizes, Models, Prefilled, self_drafter
 from .rounds import DeviceRoundProposer
 from .retrieval import RebuildPolicy, RetrievalCache, check_budget
 from .stats import Stats
+from . import windows
 
 from .modes import ALL_LEVELS, MODES, SHAPE, adaptive_modes, drafts as modes_draft, proposing_level, retrieves
 
@@ -184,8 +185,8 @@ class Generator:
                 check_budget(self.cfg.budget, self.cfg.chunk_size, len(prompt))
                 self._rebuild(query_index=-1)
             if self.drafter is not None and not self.drafter.held == self.drafter.agreed == len(prompt):
-                if not self._restore_drafter(len(prompt), window):
-                    self._restart_drafter(len(prompt))
+                if not windows.restore(self.drafter, len(prompt), window):
+                    windows.restart(self.drafter, self.seq, len(prompt))
         finally:
             self.stats.phase = "decode"
 
@@ -276,7 +277,7 @@ class Generator:
             if self.drafter is not None:
                 self.drafter.skip_from = len(self.context) - 1  # a later turn's text is fed whole
                 if first_prompt:
-                    self._prefill_drafter(len(self.context) - 1)
+                    windows.prefill(self.drafter, self.seq, len(self.context) - 1)
         finally:
             synchronize(self.device)
             self.stats.phase = "decode"
@@ -293,22 +294,6 @@ class Generator:
         for level in self.seq.levels:
             level.stats = self.stats
         return old
-
-    def _prefill_drafter(self, n: int) -> None:
-        """StreamingLLM state after the sequence's first n tokens: the sinks and the last window
-        tokens, nothing between. Running the drafter over just those costs a window, not the prompt."""
-        level, cache = self.drafter, self.drafter.cache
-        sinks, window = cache.sinks, cache.window
-        if n <= sinks + window:
-            level.run(self.seq, n, 1, one_off=True)
-            return
-        ids = self.seq.ids
-        # one piece into the empty cache, where a drafter's feeds go in pieces of its slack (64): 260
-        # tokens as one prefill cost 0.59-0.77 s of the main job's start on the avx512 Xeon, against
-        # 1.07-1.10 in pieces. The window's keys round as one piece's do, which moves drafts, never output
-        level.feed(torch.cat((ids[:sinks], ids[n - window:n])), 1, one_off=True, piece=sinks + window)
-        cache.skipped_to(n)
-        level.adopt(n)
 
     def truncate(self, length: int) -> None:
         """Forget context[length:] and make context[:length] the committed state, as if generation had
@@ -330,36 +315,14 @@ class Generator:
             try:
                 self.drafter.rollback(min(self.drafter.agreed, length))
             except RuntimeError:  # further back than the StreamingLLM window: start it again
-                self._restart_drafter(length - 1)
+                windows.restart(self.drafter, self.seq, length - 1)
         if self.middle is not None:
             self._rebuild(query_index=-1)
 
     def drafter_window(self) -> dict | None:
-        """The drafter's StreamingLLM cache as it stands for the committed prompt right after prefill()
-        or resume() (the sinks and the window, computed as one piece), for resume(window=...); None
-        without a drafter or where it has moved on."""
-        drafter = self.drafter
-        if drafter is None or not 0 < drafter.held == drafter.agreed == drafter.cache.length:
-            return None
-        return drafter.cache.snapshot() | {"prompt": torch.tensor(drafter.held)}
-
-    def _restore_drafter(self, n: int, window: dict | None) -> bool:
-        """The drafter's cache for the first n tokens from a window taken at n; False where there is
-        none (or it does not fit), and the caller computes it."""
-        if window is None or int(window["prompt"]) != n:
-            return False
-        try:
-            self.drafter.cache.restore(window)
-        except ValueError:
-            return False
-        self.drafter.adopt(n)
-        return True
-
-    def _restart_drafter(self, n: int) -> None:
-        """Empty the drafter's StreamingLLM cache and prefill it cheaply for the first n tokens."""
-        self.drafter.cache.reset()
-        self.drafter.adopt(0)
-        self._prefill_drafter(n)
+        """The drafter's StreamingLLM cache right after prefill() or resume(), for resume(window=...)
+        (windows.taken); None without a drafter or where it has moved on."""
+        return windows.taken(self.drafter)
 
     def _rebuild(self, query_index: int) -> None:
         n = self.committed - 1

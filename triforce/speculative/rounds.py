@@ -24,7 +24,7 @@ Where the levels run as graphs (CUDA graphs, or --compile), each round is itself
 generator), the caches' shifts are device inputs, and the drafter's first step always feeds
 FIRST_FEED tokens, rewriting with the same K/V any it already holds, so every round, the first of a
 step or a later one, has one shape. The round is timed whole, and the adaptive chooser prices
-triforce with that time (adaptive.seconds_per_token's `round_cost`).
+triforce with that time (pricing.seconds_per_token's `round_cost`).
 """
 from __future__ import annotations
 
