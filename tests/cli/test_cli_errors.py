@@ -52,6 +52,7 @@ CASES = {
     # the text
     "text file missing": Case(("absent.txt", "does not exist"), text="absent"),
     "text file empty": Case(("empty.txt", "is empty"), text="empty"),
+    "text file /dev/null": Case(("/dev/null", "is empty"), text="devnull"),
     "text file binary": Case(("binary.bin", "binary"), text="binary"),
     "text file not UTF-8": Case(("latin1.txt", "not utf-8"), text="latin1"),
     # positions
@@ -105,6 +106,7 @@ def inputs(tiny_folder, tmp_path_factory):
         (base / filename).write_bytes(data)
         paths[filename.split(".")[0]] = base / filename
     paths["absent"] = base / "absent.txt"
+    paths["devnull"] = "/dev/null"  # it exists but is no regular file: said to be empty, not missing
     return paths
 
 

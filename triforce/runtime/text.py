@@ -41,9 +41,9 @@ def read_text(path: str | Path, what: str = "prompt file") -> str:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{what} {path} is a directory; give a text file inside it")
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{what} {path} does not exist; check the path")
-    data = path.read_bytes()
+    data = path.read_bytes()  # a pipe too: `--prompt-file <(command)`, /dev/stdin
     if not data.strip():
         raise UserError(f"{what} {path} is empty; give it some text")
     if b"\x00" in data[:65536]:
@@ -82,7 +82,8 @@ def read_prompt_file(path: str | Path, what: str = "prompt file") -> tuple[str, 
     if not text:
         raise UserError(f"{what} {path} holds no text between Project Gutenberg's start and end markers; "
                         f"give a file with the book's text")
-    return text, (f"{Path(path).name}: read between Project Gutenberg's start and end markers (its header and "
+    shown = Path(path).name if Path(path).is_file() else path  # a pipe's name (63 of /dev/fd/63) says nothing
+    return text, (f"{shown}: read between Project Gutenberg's start and end markers (its header and "
                   f"licence, {cut:,} characters, left out)")
 
 
