@@ -4,7 +4,9 @@ A random Llama of many thin layers (default 30 layers, hidden 64) makes every ke
 pass costs is the host's: Python, dispatch, and on a GPU every wait for the device. For each mode,
 greedy and sampled, it reports host waits per full-cache round (counted at the call sites where a
 GPU host would wait: triforce/speculative/hostsync.py), aten ops per generated token (a dispatch
-counter), and host milliseconds per pass and per token, beside transformers' StaticCache decode step
+counter) and the share of them outside the model's passes (sampling, acceptance, the caches'
+bookkeeping: what compiling the passes leaves as it is), and host milliseconds per pass and per
+token, beside transformers' StaticCache decode step
 on the same weights. Then kernels per transformer layer of one pass of each level, eager (aten ops)
 and compiled (the kernels of the --compile graph), from two shallow models (bench/kernels.py).
 JSON goes to --out.
@@ -18,6 +20,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,6 +28,7 @@ import torch
 from bench import kernels
 from bench.kernels import OpCounter
 from triforce.model.loader import load_model
+from triforce.model.transformer import Transformer
 from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.engine import MODES
 from triforce.speculative.graphs import enable_compiled_passes
@@ -71,6 +75,29 @@ def tiny_checkpoint(args, folder: Path):
 COMPILED = {"triforce-device-compiled": "per pass", "triforce-device-compiled-rounds": "per round"}
 
 
+@contextmanager
+def ops_in_passes(ops: OpCounter):
+    """Yields a one-item list that ends up holding the ops `ops` counted inside the model's forward
+    passes (every level's: a pass is a Transformer call), the rest being the engine's own."""
+    inside, depth, forward = [0], [0], Transformer.forward
+
+    def counted(self, *args, **kwargs):
+        depth[0] += 1
+        before = ops.ops
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if not depth[0]:
+                inside[0] += ops.ops - before
+
+    Transformer.forward = counted
+    try:
+        yield inside
+    finally:
+        Transformer.forward = forward
+
+
 def measure_mode(models, args, mode: str, temperature: float, prompt: list[int]) -> dict:
     """Three generations from the same prompt (after an untimed one): timed, counting host waits,
     counting aten ops. "triforce-device" is triforce with its drafter->middle rounds on the device
@@ -113,15 +140,16 @@ def measure_mode(models, args, mode: str, temperature: float, prompt: list[int])
             gen.step()
             rounds += 1
 
-    ops_per_token = None  # a dispatch mode turns torch.compile off: compiled runs are not counted
+    ops_per_token = outside_share = None  # a dispatch mode turns torch.compile off: compiled runs are not counted
     if mode not in COMPILED:
         gen = fresh()
-        with OpCounter() as ops:
+        with OpCounter() as ops, ops_in_passes(ops) as in_passes:
             counted = len(gen.generate()) - 1
         ops_per_token = ops.ops / counted
+        outside_share = 1 - in_passes[0] / ops.ops
     return {"mode": mode, "sampled": temperature > 0, "tokens": tokens, "rounds": rounds,
             "waits_per_round": waits.total / rounds, "waits_by_site": dict(waits.by_site),
-            "ops_per_token": ops_per_token, "passes_per_token": passes / tokens,
+            "ops_per_token": ops_per_token, "ops_outside_passes": outside_share, "passes_per_token": passes / tokens,
             "host_ms_per_pass": 1e3 * seconds / passes, "host_ms_per_token": 1e3 * seconds / tokens}
 
 
@@ -148,21 +176,22 @@ def measure_static_cache(hf_model, prompt: list[int], steps: int) -> dict | None
         seconds = (time.perf_counter() - start) / steps
         with OpCounter() as ops:
             step(len(prompt))
-    return {"mode": "hf-static", "sampled": False, "waits_per_round": None, "ops_per_token": ops.ops,
+    return {"mode": "hf-static", "sampled": False, "waits_per_round": None, "ops_per_token": ops.ops, "ops_outside_passes": None,
             "passes_per_token": 1.0, "host_ms_per_pass": 1e3 * seconds, "host_ms_per_token": 1e3 * seconds}
 
 
 def table(rows: list[dict]) -> str:
     """Readable in 80 columns (wider with --compiled-rounds' long names)."""
     w = max(15, *(len(r["mode"]) for r in rows))
-    head = f"{'mode':<{w}} {'sampling':<8} {'waits/round':>11} {'ops/token':>10} {'passes/tok':>10} " \
+    head = f"{'mode':<{w}} {'sampling':<8} {'waits/rnd':>9} {'ops/tok':>8} {'outside':>7} {'pass/tok':>8} " \
            f"{'ms/pass':>8} {'ms/token':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         waits = "-" if r["waits_per_round"] is None else f"{r['waits_per_round']:.2f}"
         ops = "-" if r["ops_per_token"] is None else f"{r['ops_per_token']:,.0f}"
-        lines.append(f"{r['mode']:<{w}} {'sampled' if r['sampled'] else 'greedy':<8} {waits:>11} "
-                     f"{ops:>10} {r['passes_per_token']:>10.2f} "
+        outside = "-" if r.get("ops_outside_passes") is None else f"{r['ops_outside_passes']:.1%}"
+        lines.append(f"{r['mode']:<{w}} {'sampled' if r['sampled'] else 'greedy':<8} {waits:>9} "
+                     f"{ops:>8} {outside:>7} {r['passes_per_token']:>8.2f} "
                      f"{r['host_ms_per_pass']:>8.2f} {r['host_ms_per_token']:>9.2f}")
     return "\n".join(lines)
 
