@@ -33,7 +33,11 @@ def test_the_plan_covers_the_figures():
     assert any(c.startswith("bench.linkbench") for c in commands)
     assert plan["big target"] == ["bench.big_target"] and "big target" in gpu_figures.NO_MODEL.split(",")
     assert any("float32" in c and "--offload host" in c and "4096,32768" in c for c in commands)
-    assert plan["graph == eager tokens"] == ["pytest", "-q", "tests/gpu"]
+    assert plan["graph == eager tokens"] == ["pytest", "-q", "tests/gpu", "-k", "not compiled_sampled"]
+    # the compiled law has its own step, right before the compiled sampled speed it vouches for
+    names = list(plan)
+    assert names.index("compiled sampling law") + 1 == names.index("compiled kv host sampled")
+    assert plan["compiled sampling law"][-2:] == ["-k", "compiled_sampled"]
     # the previous default gamma2 beside the offloaded default (16), greedy and sampled, at 32K in host memory
     short_gamma = [" ".join(plan[f"gamma2 6 kv host {s}"]) for s in ("greedy", "sampled")]
     assert all("--gamma2 6" in c and "--contexts 32768 --offload host" in c and "adaptive" in c for c in short_gamma)

@@ -9,6 +9,8 @@ sampled acceptance (the H200's sampled middle->verify acceptance at 32K was 0.55
 each of 2,000 seeds (captured once), samples the two tokens after the prefill's; a chi-square test
 against their exact law (the target run on every prefix) must accept, and a wrong residual must be
 rejected. On CPU the same engine runs its graphs' static views eagerly (a rehearsal of the CUDA case).
+Compiled passes (--compile: inductor's kernels captured as CUDA graphs) are checked on CUDA too; on
+CPU test_compiled.py shows a compiled round drawing what the eager one draws, uniform for uniform.
 """
 import pytest
 import torch
@@ -18,7 +20,7 @@ from triforce.model.loader import load_model
 from triforce.offload import full_cache_factory
 from triforce.speculative import GenerationConfig, Generator, Models
 from triforce.speculative.caches import FullCache
-from triforce.speculative.graphs import enable_cuda_graphs
+from triforce.speculative.graphs import enable_compiled_passes, enable_cuda_graphs
 from triforce.speculative.sampling import Sampler
 
 from ..conftest import save_tiny
@@ -51,13 +53,17 @@ def exact_after(target, first: int, sampler: Sampler) -> torch.Tensor:
     return torch.stack([p2[t2] * next_dist(head + [t2]) for t2 in range(VOCAB)])
 
 
-def sampled_after(folders, device: str, mode: str, offload: str) -> tuple[int, torch.Tensor]:
-    """(the prefill's token, counts of the next two over SEEDS resumed runs of one generator)."""
+def sampled_after(folders, device: str, mode: str, offload: str, compiled: bool = False) -> tuple[int, torch.Tensor]:
+    """(the prefill's token, counts of the next two over SEEDS resumed runs of one generator); with
+    `compiled`, its passes and rounds torch.compile'd (on CUDA captured), as --compile runs them."""
     target, drafter = (load_model(f, torch.float32, device) for f in folders)
     factory = full_cache_factory(device, CFG.prefill_chunk, onchip_layers=0, chunk_tokens=7) if offload == "host" else None
     gen = Generator(Models(target, drafter if mode == "triforce" else None), CFG, mode, len(PROMPT) + 8,
                     full_cache_factory=factory)
-    enable_cuda_graphs(gen, eager_static=device == "cpu")
+    if compiled:
+        enable_compiled_passes(gen)
+    else:
+        enable_cuda_graphs(gen, eager_static=device == "cpu")
     gen.prefill(PROMPT)
     start = gen.snapshot()
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
@@ -81,6 +87,17 @@ def test_sampled_output_has_the_targets_distribution_on_the_gpu_path(folders, de
     exact = exact_after(load_model(folders[0], torch.float64), first, Sampler(CFG.temperature))
     rejects, stat, critical = chi_square_rejects(counts, exact)
     assert not rejects, f"chi-square {stat:.1f} > {critical:.1f}: {mode} ({offload}) on {device} is not the target's law"
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["retrieval", "triforce"])
+def test_compiled_sampled_output_has_the_targets_distribution_on_cuda(folders, mode):
+    """The next lease's `compiled kv host sampled` step (fixed triforce and retrieval compiled, the KV
+    in host memory): its tokens must follow the target's law before its speed counts."""
+    first, counts = sampled_after(folders, "cuda", mode, "host", compiled=True)
+    exact = exact_after(load_model(folders[0], torch.float64), first, Sampler(CFG.temperature))
+    rejects, stat, critical = chi_square_rejects(counts, exact)
+    assert not rejects, f"chi-square {stat:.1f} > {critical:.1f}: compiled {mode} (host) on cuda is not the target's law"
 
 
 @pytest.mark.parametrize("device", DEVICES)
