@@ -37,7 +37,7 @@ def test_the_plan_covers_the_figures():
     # the compiled law has its own step, right before the compiled sampled speed it vouches for
     names = list(plan)
     assert names.index("compiled sampling law") + 1 == names.index("compiled kv host sampled")
-    assert plan["compiled sampling law"][-2:] == ["-k", "compiled_sampled"]
+    assert plan["compiled sampling law"][-2:] == ["-k", "compiled_sampled and triforce"]
     # the previous default gamma2 beside the offloaded default (16), greedy and sampled, at 32K in host memory
     short_gamma = [" ".join(plan[f"gamma2 6 kv host {s}"]) for s in ("greedy", "sampled")]
     assert all("--gamma2 6" in c and "--contexts 32768 --offload host" in c and "adaptive" in c for c in short_gamma)
