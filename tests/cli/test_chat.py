@@ -3,10 +3,12 @@
 Models run in float64 so "the same tokens as a fresh run" is exact whatever the chunking.
 """
 import io
+import os
 import json
 from functools import partial
 import random
 import re
+import threading
 from dataclasses import replace
 
 import pytest
@@ -398,6 +400,26 @@ def test_a_gutenberg_books_header_and_licence_are_left_out(tiny_folder, tmp_path
     ids = load_tokenizer(tiny_folder).encode(story, add_special_tokens=False, split_special_tokens=True)
     head = len(c.book.fmt.markup(c.book.fmt.book_head))
     assert c.book.tokens == len(ids) and c.book.prompt[head:head + len(ids)] == ids
+    check_lossless(c, c.ask("t5 t6"))
+    c.close()
+
+
+def test_a_book_from_a_pipe_goes_unnamed(tiny_folder, tmp_path, capsys):
+    """`--book <(command)`: the book is read from the pipe; the system prompt names no book (a pipe's
+    name, 63 of /dev/fd/63, says nothing of it), the notes name the path, and the saved cache is a
+    book's."""
+    fifo = tmp_path / "63"
+    os.mkfifo(fifo)
+    text = " ".join(f"t{3 + (i * 7) % 60}" for i in range(300))
+    writer = threading.Thread(target=lambda: fifo.write_text(text))
+    writer.start()
+    c = chat.start(make_args(tiny_folder, fifo, tmp_path / "cache"), interactive=False)
+    writer.join()
+    said = " ".join(capsys.readouterr().err.split())
+    assert c.book.name == "" and f"{fifo}: {c.book.tokens:,} tokens" in said
+    system = c.book.fmt.book_head
+    assert "the book given below" in system and " 63" not in system
+    assert [p.name.startswith("book-") for p in (tmp_path / "cache").glob("*.safetensors")] == [True, True]
     check_lossless(c, c.ask("t5 t6"))
     c.close()
 

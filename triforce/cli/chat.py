@@ -111,7 +111,7 @@ class AnswerPrinter:
 def repl(chat: Chat, stdin, out, show_levels: bool = False) -> int:
     """Read questions and commands until /quit, end of input or Ctrl-C at the prompt."""
     console = Console(file=out, highlight=False, soft_wrap=True, force_terminal=show_levels or None)
-    console.print(f"[dim]Ask about {escape(chat.book.name)}. /help lists the commands; Ctrl-C stops an answer, "
+    console.print(f"[dim]Ask about {escape(chat.book.name or 'the book')}. /help lists the commands; Ctrl-C stops an answer, "
                   f"Ctrl-D quits.[/]")
     if show_levels:
         console.print(LEGEND)

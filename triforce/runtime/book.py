@@ -32,6 +32,8 @@ log = logging.getLogger("triforce")
 
 SYSTEM = ("You are a helpful assistant. The user wants to talk about the book {name}, given below. Answer "
           "their questions from the book's text, quote it where that helps, and say so when the book does not tell.")
+# a book read from a pipe (`--book <(command)`): its name (63 of /dev/fd/63) says nothing of the book
+UNNAMED = SYSTEM.replace(" {name},", "")
 TRUNCATED = " Only the end of the book fits: the text below is its last {kept:,} tokens."
 MARKS = {"book": "@@BOOK@@", "question": "@@QUESTION@@", "answer": "@@ANSWER@@"}
 PLAIN = ("{system}\n\n", "\n\n", "User: ", "\nAssistant:", "\n\n")  # for tokenizers without a chat template
@@ -158,7 +160,7 @@ class Book:
 
 def wrap_book(tok, name: str, digest: str, ids: list[int], keep: int | None, memo: BookMemo | None = None) -> Book:
     kept = len(ids) if keep is None else min(keep, len(ids))
-    system = SYSTEM.format(name=name) + (TRUNCATED.format(kept=kept) if kept < len(ids) else "")
+    system = (SYSTEM.format(name=name) if name else UNNAMED) + (TRUNCATED.format(kept=kept) if kept < len(ids) else "")
     record = memo.record(system, lambda: format_record(tok, system)) if memo is not None else None
     fmt = ChatFormat(tok, system, record)
     return Book(name, digest, len(ids), kept, fmt.book(ids[len(ids) - kept:]), fmt)
@@ -183,11 +185,13 @@ def prepare_book(opts: ChatOptions, tok, report: Reporter, confirm: Callable[[st
     text = read_book(path, report) if text is None else text
     ids = memo.ids(text, book_ids(tok)) if memo is not None else book_ids(tok)(text)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    book = wrap_book(tok, path.name, digest, ids, opts.run.context, memo)
+    name = path.name if path.is_file() else ""  # a pipe's book goes unnamed (UNNAMED)
+    label = name or str(path)  # what the notes call it
+    book = wrap_book(tok, name, digest, ids, opts.run.context, memo)
     cfg = ModelConfig.from_folder(opts.run.model)
     limit = context_positions(cfg, opts.run.rope_scaling)
     cut = f", keeping the last {book.kept:,} (Settings.context)" if book.kept < book.tokens else ""
-    report.note(f"{path.name}: {book.tokens:,} tokens{cut}; {len(book.prompt):,} with the system "
+    report.note(f"{label}: {book.tokens:,} tokens{cut}; {len(book.prompt):,} with the system "
                 f"prompt and chat template{'' if book.fmt.templated else ' (plain: the tokenizer has none)'}")
     if len(book.prompt) + room <= limit:
         reach = (f"the model's {cfg.max_positions:,} positions" if len(book.prompt) + room <= cfg.max_positions
@@ -195,15 +199,15 @@ def prepare_book(opts: ChatOptions, tok, report: Reporter, confirm: Callable[[st
         report.note(f"fits {reach}, with {room:,} tokens for the conversation")
         return book
     # the system prompt's size once the book is cut (the cut adds a note saying so)
-    overhead = len(wrap_book(tok, path.name, digest, ids + [0], len(ids), memo).prompt) - len(ids)
+    overhead = len(wrap_book(tok, name, digest, ids + [0], len(ids), memo).prompt) - len(ids)
     fit = (limit - room - overhead) // 100 * 100
-    problem = (f"{path.name} does not fit: {len(book.prompt):,} tokens plus {room:,} for the conversation "
+    problem = (f"{label} does not fit: {len(book.prompt):,} tokens plus {room:,} for the conversation "
                f"exceed the model's {limit:,}-token context")
     if fit < 1:
         raise UserError(f"{problem}; lower ChatOptions.room")
     report.warn(f"{problem}.")
     if confirm and confirm(f"Keep only the last {fit:,} tokens of the book (Settings.context {fit})? [y/N] "):
-        book = wrap_book(tok, path.name, digest, ids, fit, memo)
+        book = wrap_book(tok, name, digest, ids, fit, memo)
         report.note(f"keeping the last {book.kept:,} tokens of the book ({len(book.prompt):,} with the template); "
                     f"pass Settings.context {fit} to skip this question next time")
         return book
@@ -232,7 +236,7 @@ def cache_root(cache_dir: str | None) -> Path:
 def cache_path(cache_dir: str | None, book: Book, key: dict) -> Path:
     root = cache_root(cache_dir)
     digest = hashlib.sha256(kvfile.key_text(key).encode()).hexdigest()[:16]
-    stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(book.name).stem)[:40]
+    stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(book.name).stem)[:40] or "book"
     rank = f"-rank{key['tp'][0]}" if key["tp"][1] > 1 else ""
     return root / f"{stem}-{digest}{rank}.safetensors"
 

@@ -117,7 +117,7 @@ class Chat:
         self.log.append(None)
 
     def transcript(self) -> str:
-        lines = [f"# Chat about {self.book.name}", ""]
+        lines = [f"# Chat about {self.book.name or 'a book'}", ""]
         for a in self.log:
             if a is None:
                 lines += ["---", "*(conversation reset)*", ""]
