@@ -72,6 +72,60 @@ def test_rebuild_on_low_acceptance(pair):
     assert eager.stats.rebuilds > lazy.stats.rebuilds
 
 
+@pytest.mark.parametrize("mode,device_rounds", [("retrieval", False), ("triforce", False), ("triforce", True)])
+def test_passes_wider_than_a_feed_piece_rebuild_from_the_right_query(pair, mode, device_rounds):
+    """A prefill chunk narrower than the full pass (`--prefill-chunk 2`, gamma2 5) splits each
+    verification into pieces, and the full cache keeps only the last piece's queries: a rebuild
+    after it scored chunks with the index of the token within the whole pass, out of that range
+    (found by a fuzz of settings). Rebuilds now ask for a position (Level.queries_at) and the tokens
+    stay autoregressive's."""
+    target, drafter = pair
+    ids = prompt(120, 7)
+    cfg = GenerationConfig(max_new_tokens=60, budget=32, chunk_size=8, gamma1=2, gamma2=5, prefill_chunk=2,
+                           rebuild_threshold=1.0)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    gen = generator(Models(target, drafter), cfg, mode, len(ids) + 60, device_rounds)
+    gen.prefill(ids)
+    assert gen.generate() == reference.tokens
+    assert gen.stats.rebuilds > 10
+
+
+@pytest.mark.parametrize("mode,use_drafter,device_rounds", [
+    ("speculative", True, False), ("speculative", False, False), ("triforce", True, False), ("triforce", False, True)])
+def test_a_draft_window_shorter_than_a_rounds_drafts(pair, mode, use_drafter, device_rounds):
+    """`--draft-window 2` with 7 drafts a round: an eviction inside a round kept 2 recent tokens,
+    fewer than the drafts the full pass could reject, and the drafter's rollback failed (found by a
+    fuzz of settings). The window is now at least the tokens one round writes past the committed
+    ones (CacheSizes.margin)."""
+    target, drafter = pair
+    ids = prompt(60, 4)
+    cfg = GenerationConfig(max_new_tokens=80, budget=32, chunk_size=8, gamma1=3, gamma2=7, draft_window=2,
+                           sink_tokens=5)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
+    gen = generator(Models(target, drafter if use_drafter else None), cfg, mode, len(ids) + 80, device_rounds)
+    assert gen.sizes.window == gen.sizes.margin > 2
+    gen.prefill(ids)
+    assert gen.generate() == reference.tokens
+    assert gen.drafter.cache.evictions > 0
+
+
+def test_queries_at_names_a_position_of_the_last_forward(pair):
+    """The full level's queries of a position are those its last forward computed for that token,
+    whichever piece of a wider pass that was; a position outside it gets the nearest one's."""
+    target, _ = pair
+    ids = prompt(40, 3)
+    cfg = GenerationConfig(max_new_tokens=4, budget=16, chunk_size=4, prefill_chunk=64)
+    whole = Generator(Models(target, None), cfg, "retrieval", max_len=64)
+    whole.prefill(ids)  # one piece: the queries of all 40 prompt tokens
+    pieces = Generator(Models(target, None), GenerationConfig(**{**cfg.__dict__, "prefill_chunk": 16}),
+                       "retrieval", max_len=64)
+    pieces.prefill(ids)  # pieces of 16, 16 and 8: the last covers positions 32-39
+    assert pieces.full.queried_from == 32 and whole.full.queried_from == 0
+    for position, nearest in ((39, 39), (35, 35), (32, 32), (31, 32), (0, 32)):
+        for a, b in zip(pieces.full.queries_at(position), whole.full.queries_at(nearest)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 ROUNDS = pytest.mark.parametrize("device_rounds", [False, True, WHOLE], ids=["host-rounds", "device-rounds", "whole-rounds"])
 
 

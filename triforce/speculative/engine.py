@@ -167,6 +167,7 @@ class Generator:
         try:
             self.full.cache.rollback(len(prompt))
             self.full.cache.queries = [q[None] for q in queries]
+            self.full.queried_from = len(prompt) - 1
             self.sampling.generator.manual_seed(self.cfg.seed if seed is None else seed)
             if logits is not None:
                 first = int(self.sampling.pick(logits.to(self.device))[0][0])
@@ -183,7 +184,7 @@ class Generator:
             self.stats.prompt_tokens = len(prompt)
             if self.middle is not None:
                 check_budget(self.cfg.budget, self.cfg.chunk_size, len(prompt))
-                self._rebuild(query_index=-1)
+                self._rebuild()
             if self.drafter is not None and not self.drafter.held == self.drafter.agreed == len(prompt):
                 if not windows.restore(self.drafter, len(prompt), window):
                     windows.restart(self.drafter, self.seq, len(prompt))
@@ -273,7 +274,7 @@ class Generator:
             self.context.append(first)
             self.committed = len(self.context)
             if self.middle is not None:
-                self._rebuild(query_index=-1)  # score chunks with the newest token's query
+                self._rebuild()  # score chunks with the newest token's query
             if self.drafter is not None:
                 self.drafter.skip_from = len(self.context) - 1  # a later turn's text is fed whole
                 if first_prompt:
@@ -317,16 +318,19 @@ class Generator:
             except RuntimeError:  # further back than the StreamingLLM window: start it again
                 windows.restart(self.drafter, self.seq, length - 1)
         if self.middle is not None:
-            self._rebuild(query_index=-1)
+            self._rebuild()
 
     def drafter_window(self) -> dict | None:
         """The drafter's StreamingLLM cache right after prefill() or resume(), for resume(window=...)
         (windows.taken); None without a drafter or where it has moved on."""
         return windows.taken(self.drafter)
 
-    def _rebuild(self, query_index: int) -> None:
+    def _rebuild(self) -> None:
+        """The retrieval cache built anew over the full cache's committed tokens, its chunks scored by
+        the queries of the newest one the full cache has run (the last committed token's own come
+        with the next pass)."""
         n = self.committed - 1
-        queries = [q[query_index] for q in self.full.cache.queries]
+        queries = self.full.queries_at(n - 1)
         self.middle.cache.build(self.full.cache, n, queries)
         self.middle.adopt(n)
         self.rebuilds.reset()
@@ -518,7 +522,7 @@ class Generator:
         if proposed:  # a pass the middle level proposed for tells how well its retrieval still serves
             self.rebuilds.record(accepted, proposed)
         if self.rebuilds.due(self.middle.cache, n):
-            self._rebuild(query_index=accepted)  # the query of the last committed token
+            self._rebuild()
         else:
             self.middle.cache.absorb(self.full.cache, n)
             self.middle.adopt(n)

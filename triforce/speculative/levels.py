@@ -121,6 +121,7 @@ class Level:
         self.catch_up = catch_up
         self.skip_from = 0  # never skip tokens before this position (the prompts' ends: their text matters)
         self.held = self.agreed = 0
+        self.queried_from = 0  # the position of the first token the cache's last forward kept queries of
         self.meter: Chooser | None = None  # an adaptive generator's chooser, which times decode passes
         self.timings: list[tuple] = []  # decode passes not yet reported: (name, tokens, start, end, typical, count)
 
@@ -163,6 +164,7 @@ class Level:
                 # a piece whose logits nobody reads computes only its last row: the output head over
                 # every position of a 4,096-token piece is 0.2 TFLOP for SmolLM2, 1.1 for Qwen2.5
                 out = model(part, self.cache, last_only=out_needed <= 1)
+                self.queried_from = self.held + i
                 if out_needed > 0:
                     logits.append(out[-out_needed:])
                 fed += part.shape[0]
@@ -175,6 +177,15 @@ class Level:
         # a pass that captured a CUDA graph paid a one-time cost, not what the next one will
         self.timed(ids.shape[0], start, typical=getattr(self.model, "captures", 0) == captures)
         return (logits[0] if len(logits) == 1 else torch.cat(logits))[-n_out:]  # one piece: no copy
+
+    def queries_at(self, position: int) -> list[torch.Tensor]:
+        """Each layer's rotated queries (Hq, D) of the token at `position`, kept by the cache's last
+        forward; the nearest token's where that forward did not cover it: a pass wider than the cache's
+        max_feed keeps only its last piece's, and a pass queued past a stop ran past the committed
+        tokens. They only choose what the retrieval cache holds: acceptance, never the output."""
+        queries = self.cache.queries
+        i = min(max(position - self.queried_from, 0), queries[0].shape[0] - 1)
+        return [q[i] for q in queries]
 
     def timed(self, tokens: int, start, typical: bool = True, name: str | None = None, count: int = 1) -> None:
         """A decode pass of `tokens` tokens began at `start` (PassClock.now()) and was just queued;

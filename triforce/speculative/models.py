@@ -105,7 +105,9 @@ class CacheSizes:
         return cls(margin=margin, widest=widest, full=max_len + margin + padding,
                    budget=cfg.budget if retrieves(mode) else None, scratch=margin + 1,
                    streaming_slack=max(64, margin + 4) if modes_draft(mode) and model_drafter else None,
-                   sinks=cfg.sink_tokens, window=cfg.draft_window)
+                   # a window shorter than one round's drafts would be evicted from under them, and
+                   # the drafter could not roll back to the tokens the full pass kept
+                   sinks=cfg.sink_tokens, window=max(cfg.draft_window, margin))
 
     def after_full_bytes(self, target: KVShape, drafter: KVShape | None) -> int:
         """Bytes of the retrieval and StreamingLLM caches."""
