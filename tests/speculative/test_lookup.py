@@ -29,8 +29,10 @@ def reference_drafts(seq: list[int], n: int, longest: int) -> list[int]:
     return [seq[-1]] * n
 
 
-@pytest.mark.parametrize("longest", [1, 3])
+@pytest.mark.parametrize("longest", [1, 3, 6])
 def test_drafts_follow_the_latest_longest_match(longest):
+    """Sequences of 1 to 40 tokens, some shorter than the longest match (a 2-token prompt: `triforce
+    generate --draft lookup --prompt Hi` failed on the shape of the match before session 57)."""
     gen = torch.Generator().manual_seed(0)
     lookup = LookupDrafter(longest)
     for trial in range(300):
@@ -125,6 +127,15 @@ def test_greedy_output_is_autoregressive(target, mode, rounds, offload):
     assert stats["passes"]["draft"] > stats["passes"]["middle" if mode == "triforce" else "verify"]
     if rounds == "whole":
         assert gen.proposers["triforce"][0].graph.runs > 5
+
+
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_a_prompt_shorter_than_the_longest_match(target, length):
+    """A 1-3 token prompt: lookups over a sequence shorter than LONGEST_NGRAM, greedy autoregressive."""
+    ids = looping_prompt(length)
+    cfg = GenerationConfig(max_new_tokens=24, gamma1=3, gamma2=5)
+    reference = generate_ids(Models(target, None), ids, "autoregressive", cfg).tokens
+    assert generate_ids(Models(target, LookupDrafter()), ids, "speculative", cfg).tokens == reference
 
 
 def test_an_adaptive_run_prices_the_lookup_and_stays_lossless(target):

@@ -83,7 +83,8 @@ class LookupDrafter:
         match, end = allowed, torch.full((), -1, dtype=torch.long, device=text.device)
         k = torch.zeros((), dtype=torch.long, device=text.device)
         for j in range(self.longest):  # match holds where the last j + 1 tokens agree
-            earlier = torch.cat((text.new_full((j,), -1), text[:text.shape[0] - j]))  # earlier[e] = text[e - j]
+            lead = min(j, text.shape[0])  # a text shorter than the match has no earlier tokens at all
+            earlier = torch.cat((text.new_full((lead,), -1), text[:text.shape[0] - lead]))  # earlier[e] = text[e - j]
             match = match & (earlier == _token_at(ids, at - 1 - j))
             latest = torch.where(match, positions, -1).amax()
             end = torch.where(latest >= 0, latest, end)
