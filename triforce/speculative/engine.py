@@ -339,7 +339,11 @@ class Generator:
     # ------------------------------------------------------------------ decode
     def generate(self, max_new_tokens: int | None = None, on_tokens: Callable | None = None,
                  stop_ids: frozenset = frozenset()) -> list[int]:
-        """Generate after prefill; the first token (from prefill) counts. Returns new tokens."""
+        """Generate after prefill() or extend(); the token they sampled comes first and counts.
+        Returns the new tokens, at most max_new_tokens, ending at the first stop id. The context may
+        hold more: the rest of the last round's committed tokens, past the budget or a stop. To go on
+        from exactly what was returned, truncate(length before this call - 1 + len(returned)) first,
+        as chat does after each answer."""
         budget = max_new_tokens or self.cfg.max_new_tokens
         out = [self.context[-1]]
         if on_tokens:  # on_tokens(tokens, levels): levels[i] names the level that produced tokens[i]
