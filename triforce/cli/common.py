@@ -4,6 +4,7 @@ into an engine is library code in triforce.runtime."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import sys
@@ -181,18 +182,38 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
     except UserError as e:
         if state["signalled"]:
             return _interrupted()
-        print(f"error: {as_flags(str(e))}", file=sys.stderr)
+        say_error(f"error: {as_flags(str(e))}")
         return 2
     except MemoryError:
-        print("error: out of memory; lower --context, --budget or use --dtype bfloat16", file=sys.stderr)
+        say_error("error: out of memory; lower --context, --budget or use --dtype bfloat16")
         return 2
     except Exception as e:  # a bug: one line unless --debug
         if state["signalled"]:
             return _interrupted()
         if debug:
             raise
-        print(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        say_error(f"error: unexpected {type(e).__name__}: {e} (run with --debug for the traceback)")
         return 1
+
+
+# set by triforce-tp (cli/launch_tp.py) for its workers: a folder where each error line said is a file
+SAID_ENV = "TRIFORCE_TP_SAID"
+
+
+def say_error(line: str) -> None:
+    """Print an error line, once between the tensor-parallel workers of one launch: most errors (a
+    setting, the model, the prompt) strike every rank alike, and a user reads the line once. A line
+    only one worker meets (its memory, its peers) is still said by that worker."""
+    said = os.environ.get(SAID_ENV)
+    if said:
+        name = hashlib.sha1(line.encode()).hexdigest()
+        try:
+            os.close(os.open(os.path.join(said, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # another worker said it
+        except OSError:
+            pass  # the folder is gone: say it anyway
+    print(line, file=sys.stderr)
 
 
 def _interrupted() -> int:

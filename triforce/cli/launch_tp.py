@@ -12,7 +12,9 @@ process's interpreter, so a virtual environment need not be activated.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 
 def launch_args(nproc: int, generate_args: list[str]) -> list[str]:
@@ -41,6 +43,7 @@ def split_nproc(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def cli() -> None:
+    from triforce.cli.common import SAID_ENV
     from triforce.parallel.launch import INTERRUPTED, main as torchrun
 
     nproc, rest = split_nproc(sys.argv[1:])
@@ -48,11 +51,15 @@ def cli() -> None:
     # fight (on a 2-core box, 1 thread each). torchrun would otherwise force 1 and warn about it.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(cores // nproc, 1)))
+    # where the workers note the error lines said, so that one every rank meets is printed once
+    os.environ[SAID_ENV] = said = tempfile.mkdtemp(prefix="triforce-tp-")
     try:
         sys.exit(torchrun(launch_args(nproc, rest)))
     except KeyboardInterrupt:  # before torchrun installed its handlers, so before any worker started
         print("interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED)
+    finally:
+        shutil.rmtree(said, ignore_errors=True)
 
 
 if __name__ == "__main__":
