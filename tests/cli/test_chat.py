@@ -384,6 +384,20 @@ def test_long_book_is_not_truncated_silently(tiny_folder, tmp_path, capsys):
     assert "fits the model's 4,096 positions, with 100 tokens for the conversation" in said.getvalue()
 
 
+def test_room_errors_name_the_flag(tiny_folder, start, tmp_path, capsys):
+    """The library names ChatOptions.room; the command line says --room, at start and in an answer."""
+    path = tmp_path / "short.txt"
+    path.write_text(" ".join(f"t{3 + i % 60}" for i in range(200)))
+    argv = ["--book", str(path), "--model", str(tiny_folder), "--room", "5000", "--rope-scaling", "none"]
+    assert run_cli(chat.main, argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "does not fit" in err and err.rstrip().endswith("lower --room"), err
+    c = start("--room", "20")
+    rc, out = run_repl(c, [" ".join(["t5"] * 40)])
+    said = " ".join(out.split())
+    assert rc == 0 and "used its 20 tokens of room" in said and "a larger --room" in said, said
+
+
 def test_a_gutenberg_books_header_and_licence_are_left_out(tiny_folder, tmp_path, capsys):
     """A Project Gutenberg file: the model reads the story between the markers, and the note says what
     was left out; a book without markers is read whole (every other test here)."""

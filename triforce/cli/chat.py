@@ -152,7 +152,7 @@ def _answer(chat: Chat, question: str, out, console, show_levels: bool) -> None:
         console.print("\n[yellow]stopped before the answer began; the question was dropped[/]")
         return
     except UserError as e:
-        console.print(f"[red]{escape(str(e))}[/]")
+        console.print(f"[red]{escape(as_flags(str(e)))}[/]")
         return
     out.write("\n")
     console.print(f"[dim]{summary(answer, chat.gen.cfg.max_new_tokens)}[/]")

@@ -263,10 +263,11 @@ FLAG_OF = {"sink_tokens": "sinks"}
 
 
 def as_flags(message: str) -> str:
-    """A library error in command-line words: 'GenerationConfig.max_new_tokens' -> '--max-new-tokens'."""
+    """A library error in command-line words: 'GenerationConfig.max_new_tokens' -> '--max-new-tokens',
+    'ChatOptions.room' -> '--room'."""
     def flag(m: re.Match) -> str:
         return "--" + FLAG_OF.get(m.group(2), m.group(2)).replace("_", "-")
-    return re.sub(r"\b(GenerationConfig|Settings)\.(\w+)", flag, message)
+    return re.sub(r"\b(GenerationConfig|Settings|ChatOptions)\.(\w+)", flag, message)
 
 
 LOADING_LOG_SECONDS = 30.0  # away from a terminal, a line of loading progress at most this often
