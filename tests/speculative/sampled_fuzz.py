@@ -2,14 +2,15 @@
 itself, lookups), host or device rounds (or each round one graph, run eagerly), a resident or
 offloaded full cache, temperature, top-p, top-k, the verification rule, and budgets, windows and
 rebuild thresholds small enough that a run of 40 tokens rebuilds its retrieval cache and evicts from
-its drafter's window. Each of a few hundred seeds generates; every generated token is then set
-beside the target's exact distribution given the tokens before it (one float64 pass over the whole
-sequence), and a chi-square stratified by the previous token (test_round_exactness's
-stratified_p_value, conservative) must not reject at ALPHA.
+its drafter's window; half the cases converse (an answer cut back, a turn added, another answer).
+Each of a few hundred seeds generates; every generated token is then set beside the target's exact
+distribution given the tokens before it (one float64 pass over what the run had said), and a
+chi-square stratified by the previous token (test_round_exactness's stratified_p_value,
+conservative) must not reject at ALPHA.
 
 test_sampling.py checks the first round against enumeration; this reaches the states a long run
-goes through (rebuilds, evictions, adaptive switches, rounds capped by device-side lengths).
-`test_sampled_fuzz.py` runs a fixed few; for a long run:
+goes through (rebuilds, evictions, adaptive switches, rounds capped by device-side lengths, a chat's
+later turns). `test_sampled_fuzz.py` runs a fixed few; for a long run:
 
     python -m tests.speculative.sampled_fuzz --cases 40 --seed 3
 """
@@ -62,30 +63,47 @@ def draw(seed: int) -> dict:
                   verification=r.choice(["block", "token"]), adaptive=r.random() < 0.3, lookup=r.random() < 0.5,
                   device_rounds=mode == "triforce" and r.random() < 0.5, rebuild_threshold=r.choice([0.0, 0.5, 1.0]),
                   prefill_chunk=r.choice([None, 3, 16]))
+    # a conversation: the answer cut back by a few tokens, a turn added, another answer (chat's calls)
+    turns = [(r.randint(1, 10), [r.randrange(VOCAB) for _ in range(r.randint(1, 12))], r.randint(5, 30))
+             for _ in range(r.choice([0, 0, 1, 2]))]
     return dict(seed=seed, mode=mode, drafter=r.choice(["model", "self", "lookup"]), layers=r.randint(1, 2),
                 whole_rounds=config["device_rounds"] and r.random() < 0.5, offload=r.random() < 0.3,
-                prompt=torch.randint(0, VOCAB, (r.randint(40, 120),), generator=torch.Generator().manual_seed(seed)).tolist(),
-                config=config)
+                prompt=torch.randint(0, VOCAB, (r.randint(70, 150),), generator=torch.Generator().manual_seed(seed)).tolist(),
+                config=config, turns=turns)
 
 
 def draws_of(case: dict, pair: Pair, seeds: int, new_tokens: int) -> list:
-    """(previous token, token, the target's exact distribution there) for every token of every seed."""
+    """(previous token, token, the target's exact distribution there) for every token of every seed,
+    each answer of a conversation against the context it was drawn after."""
     target = pair.targets[case["layers"]]
-    prompt, config = case["prompt"], case["config"]
+    prompt, config, turns = case["prompt"], case["config"], case.get("turns", [])
     sampler = Sampler(config["temperature"], config["top_p"], config["top_k"])
+    # room for each turn and the most any answer may take (extend keeps max_new_tokens free after a turn)
+    max_len = len(prompt) + new_tokens + sum(len(tokens) + 1 + new_tokens for _, tokens, _ in turns)
     draws = []
+
+    def judge(shown: list[int], start: int) -> None:  # shown[start:] was sampled after shown[:start]
+        logits = target(torch.tensor(shown[:-1]), FullCache(target.kv_shape(), len(shown)))
+        exact = sampler.probs(logits[start - 1:])
+        draws.extend((shown[i - 1], shown[i], exact[i - start]) for i in range(start, len(shown)))
+
     for seed in range(seeds):
         drafter = {"model": pair.drafter, "self": None, "lookup": LookupDrafter()}[case["drafter"]]
         factory = full_cache_factory("cpu", config["prefill_chunk"] or 64, chunk_tokens=5) if case["offload"] else None
         gen = Generator(Models(target, drafter), GenerationConfig(**config, max_new_tokens=new_tokens, seed=seed),
-                        case["mode"], max_len=len(prompt) + new_tokens, full_cache_factory=factory)
+                        case["mode"], max_len=max_len, full_cache_factory=factory)
         if case["whole_rounds"]:
             enable_cuda_graphs(gen, eager_static=True)
         gen.prefill(prompt)
-        sequence = prompt + gen.generate()
-        logits = target(torch.tensor(sequence[:-1]), FullCache(target.kv_shape(), len(sequence)))
-        exact = sampler.probs(logits[len(prompt) - 1:])
-        draws += [(sequence[i - 1], sequence[i], exact[i - len(prompt)]) for i in range(len(prompt), len(sequence))]
+        start = len(prompt)
+        answer = gen.generate()
+        for cut, tokens, budget in turns:
+            judge(gen.context[:start] + answer, start)
+            gen.truncate(max(start + 1, start + len(answer) - cut))
+            gen.extend(tokens)
+            start = len(gen.context) - 1
+            answer = gen.generate(budget)
+        judge(gen.context[:start] + answer, start)
     return draws
 
 

@@ -7,15 +7,17 @@ import triforce.speculative.sampling as sampling
 
 from .sampled_fuzz import ALPHA, Pair, draw, p_value
 
-SEEDS, NEW_TOKENS = 150, 30
+SEEDS, NEW_TOKENS = 100, 30
 
 
 def first_draw(**wanted):
-    """The first case from seed 57000 on whose fields (or its config's) hold the wanted values."""
+    """The first case from seed 57000 on whose fields (or its config's) hold the wanted values (a
+    value, a tuple of values, or a test)."""
     for seed in range(57000, 58000):
         case = draw(seed)
         fields = {**case["config"], **case}
-        if all(fields[k] in (v if isinstance(v, tuple) else (v,)) for k, v in wanted.items()):
+        if all(v(fields[k]) if callable(v) else fields[k] in (v if isinstance(v, tuple) else (v,))
+               for k, v in wanted.items()):
             return case
     raise LookupError(wanted)
 
@@ -26,6 +28,8 @@ CASES = {
                                                                        device_rounds=False),
     "adaptive with lookups": first_draw(adaptive=True, drafter="lookup", mode=("speculative", "triforce")),
     "retrieval, top-k": first_draw(mode="retrieval", top_k=(3, 5)),
+    "triforce, a conversation of three answers": first_draw(mode="triforce", drafter=("model", "self"),
+                                                            turns=lambda turns: len(turns) == 2),
 }
 
 
