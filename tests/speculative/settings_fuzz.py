@@ -12,6 +12,9 @@ shorter than the longest match, and (a harness error) a context that holds a rou
 what generate() returned. `test_settings_fuzz.py` runs a fixed set of cases; for a long run:
 
     python -m tests.speculative.settings_fuzz --cases 500 --seed 7
+    python -m tests.speculative.settings_fuzz --cases 40 --seed 7 --compiled   # passes torch.compile'd
+
+tests/parallel/tp_fuzz.py runs the same cases on two tensor-parallel ranks.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from triforce.model.errors import UserError
 from triforce.model.loader import load_model
 from triforce.offload import full_cache_factory
 from triforce.speculative import GenerationConfig, Generator, Models
-from triforce.speculative.graphs import enable_cuda_graphs
+from triforce.speculative.graphs import enable_compiled_passes, enable_cuda_graphs
 from triforce.speculative.lookup import LookupDrafter
 
 from ..conftest import save_tiny
@@ -50,6 +53,7 @@ class Case:
     offload: dict | None = None  # full_cache_factory's options, or None for a resident cache
     turns: list = field(default_factory=list)  # (tokens to cut, a new turn's tokens, its budget)
     stops: frozenset = frozenset()
+    compiled: bool = False  # every level's passes torch.compile'd (--compile); set by --compiled, never drawn
 
     @property
     def sampled(self) -> bool:
@@ -97,18 +101,32 @@ def _prompt(r: random.Random, vocab: int) -> list[int]:
 
 
 class TinyModels:
-    """Each model spec's target and noisy drafter (float64), built once per process."""
+    """Each model spec's target and noisy drafter (float64), built once per process. Under tensor
+    parallelism (`tp`, a TensorParallel of world size > 1) the target is this rank's shard and the
+    drafter is replicated; its checkpoints come from the process that started the ranks (`folders`:
+    transformers saves no config.json from a rank other than 0 of a process group)."""
 
-    def __init__(self):
+    def __init__(self, tp=None, folders: dict | None = None):
         self.built: dict[tuple, tuple] = {}
+        self.tp, self.folders = tp, {} if folders is None else folders
+
+    def folder(self, spec: tuple) -> str:
+        """The spec's checkpoint, saved on first use."""
+        if spec not in self.folders:
+            vocab, layers, heads, kv_heads, tie, kind = spec
+            self.folders[spec] = tempfile.mkdtemp(prefix="settings-fuzz-")
+            save_tiny(self.folders[spec], seed=zlib.crc32(repr(spec).encode()) % 1000, vocab=vocab, layers=layers,
+                      heads=heads, kv_heads=kv_heads, tie=tie, model_type=kind, hidden=8 * heads)
+        return self.folders[spec]
 
     def __call__(self, spec: tuple):
         if spec not in self.built:
-            vocab, layers, heads, kv_heads, tie, kind = spec
-            folder = tempfile.mkdtemp(prefix="settings-fuzz-")
-            save_tiny(folder, seed=zlib.crc32(repr(spec).encode()) % 1000, vocab=vocab, layers=layers,
-                      heads=heads, kv_heads=kv_heads, tie=tie, model_type=kind, hidden=8 * heads)
-            target, noisy = load_model(folder, torch.float64), load_model(folder, torch.float64)
+            folder = self.folder(spec)
+            if self.tp is None:
+                target = load_model(folder, torch.float64)
+            else:
+                target = self.tp.attach(load_model(folder, torch.float64, rank=self.tp.rank, world_size=self.tp.world_size))
+            noisy = load_model(folder, torch.float64)
             with torch.no_grad():
                 for p in noisy.parameters():
                     p.add_(0.03 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(5)))
@@ -116,13 +134,16 @@ class TinyModels:
         return self.built[spec]
 
 
-def play(case: Case, models: Models, mode: str, config: GenerationConfig) -> list[int]:
-    """The case's conversation on one generator: its tokens, each answer after a -1."""
+def play(case: Case, models: Models, mode: str, config: GenerationConfig, agree=None) -> list[int]:
+    """The case's conversation on one generator: its tokens, each answer after a -1. `agree`: the
+    generator's (tensor parallelism: every rank runs rank 0's adaptive plan)."""
     extra = sum(len(tokens) + budget for _, tokens, budget in case.turns)
     max_len = len(case.prompt) + config.max_new_tokens + extra + (config.max_new_tokens + 2 if case.turns else 0)
     factory = full_cache_factory("cpu", config.prefill_chunk or 64, **case.offload) if case.offload else None
-    gen = Generator(models, config, mode, max_len=max_len, full_cache_factory=factory)
-    if case.whole_rounds and mode == case.mode:
+    gen = Generator(models, config, mode, max_len=max_len, full_cache_factory=factory, agree=agree)
+    if case.compiled and mode == case.mode:
+        enable_compiled_passes(gen)
+    elif case.whole_rounds and mode == case.mode:
         enable_cuda_graphs(gen, eager_static=True)
     gen.prefill(case.prompt)
     before = len(gen.context)
@@ -138,44 +159,63 @@ def play(case: Case, models: Models, mode: str, config: GenerationConfig) -> lis
     return out
 
 
-def check(case: Case, models_of: TinyModels) -> str | None:
-    """None where the case holds (or the engine refused it with a UserError), else what went wrong."""
+def run(case: Case, models_of: TinyModels, agree=None) -> list[int]:
+    """The case's tokens (answers after a -1); a UserError where the engine refuses its settings."""
     target, noisy = models_of(case.model)
     drafter = {"self": None, "noisy": noisy, "lookup": LookupDrafter()}[case.drafter]
-    try:
-        config = GenerationConfig(**case.config)
-        out = play(case, Models(target, drafter), case.mode, config)
-    except UserError:
-        return None
-    except Exception:  # noqa: BLE001 - the failure is what the fuzz reports
-        return traceback.format_exc()
+    return play(case, Models(target, drafter), case.mode, GenerationConfig(**case.config), agree)
+
+
+def autoregressive(case: Case, models_of: TinyModels) -> list[int]:
+    """What greedy decoding of the target makes of the case's conversation."""
+    config = GenerationConfig(**{**case.config, "adaptive": False})
+    return play(case, Models(models_of(case.model)[0], None), "autoregressive", config)
+
+
+def judge(case: Case, out: list[int], reference) -> str | None:
+    """None where a run's tokens hold (reference() gives autoregressive's), else what went wrong."""
     if any(not (0 <= t < case.model[0] or t == -1) for t in out):
         return f"a token out of the vocabulary: {out}"
+    config = GenerationConfig(**case.config)
     if case.sampled:
         if not case.turns and not case.stops and not config.stop_on_eos and len(out) != config.max_new_tokens:
             return f"{len(out)} sampled tokens, {config.max_new_tokens} asked"
         return None
-    reference = play(case, Models(target, None), "autoregressive", GenerationConfig(**{**case.config, "adaptive": False}))
+    reference = reference()
     if out != reference:
         at = next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b), min(len(out), len(reference)))
         return f"greedy tokens differ from autoregressive's at {at}: {out} vs {reference}"
     return None
 
 
+def check(case: Case, models_of: TinyModels) -> str | None:
+    """None where the case holds (or the engine refused it with a UserError), else what went wrong."""
+    try:
+        out = run(case, models_of)
+    except UserError:
+        return None
+    except Exception:  # noqa: BLE001 - the failure is what the fuzz reports
+        return traceback.format_exc()
+    return judge(case, out, lambda: autoregressive(case, models_of))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0, help="cases seed*100000 .. seed*100000 + cases - 1")
+    parser.add_argument("--compiled", action="store_true",
+                        help="every case's passes torch.compile'd (--compile): seconds to minutes a case")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     models_of, failed = TinyModels(), 0
     for i in range(args.cases):
         case = draw(args.seed * 100000 + i)
+        case.compiled = args.compiled
         problem = check(case, models_of)
         if problem:
             failed += 1
             print(f"FAIL {case}\n{problem}", flush=True)
-        if (i + 1) % 50 == 0:
+        if (i + 1) % (5 if args.compiled else 50) == 0:
             print(f"{i + 1} cases, {failed} failed", flush=True)
     print(f"{args.cases} cases, {failed} failed")
     return 1 if failed else 0
