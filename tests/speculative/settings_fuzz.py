@@ -54,6 +54,10 @@ class Case:
     turns: list = field(default_factory=list)  # (tokens to cut, a new turn's tokens, its budget)
     stops: frozenset = frozenset()
     compiled: bool = False  # every level's passes torch.compile'd (--compile); set by --compiled, never drawn
+    # how the case's generator stands after its prefill: None (as prefill left it), "snapshot" (a new
+    # generator built from the prefilled prompt, as a second run over a kept prompt) or "reset" (a
+    # throwaway answer, then resume() to the prompt, as chat's /reset)
+    resumed: str | None = None
 
     @property
     def sampled(self) -> bool:
@@ -87,6 +91,8 @@ def draw(seed: int) -> Case:
         case.turns = [(r.randint(1, 25), [r.randrange(vocab) for _ in range(r.randint(1, 30))], r.randint(1, 25))]
     if r.random() < 0.3:
         case.stops = frozenset(r.sample(range(vocab), 2))
+    # drawn apart, so that the draws above (the suite's fixed cases, the seeds of earlier runs) stay
+    case.resumed = random.Random(f"resumed-{seed}").choice([None, None, "snapshot", "reset"])
     return case
 
 
@@ -140,12 +146,25 @@ def play(case: Case, models: Models, mode: str, config: GenerationConfig, agree=
     extra = sum(len(tokens) + budget for _, tokens, budget in case.turns)
     max_len = len(case.prompt) + config.max_new_tokens + extra + (config.max_new_tokens + 2 if case.turns else 0)
     factory = full_cache_factory("cpu", config.prefill_chunk or 64, **case.offload) if case.offload else None
-    gen = Generator(models, config, mode, max_len=max_len, full_cache_factory=factory, agree=agree)
-    if case.compiled and mode == case.mode:
-        enable_compiled_passes(gen)
-    elif case.whole_rounds and mode == case.mode:
-        enable_cuda_graphs(gen, eager_static=True)
+
+    def start(prefilled=None) -> Generator:
+        gen = Generator(models, config, mode, max_len=max_len, full_cache_factory=factory, prefilled=prefilled,
+                        agree=agree)
+        if case.compiled and mode == case.mode:
+            enable_compiled_passes(gen)
+        elif case.whole_rounds and mode == case.mode:
+            enable_cuda_graphs(gen, eager_static=True)
+        return gen
+
+    gen = start()
     gen.prefill(case.prompt)
+    if case.resumed and mode == case.mode:
+        snapshot = gen.snapshot()
+        if case.resumed == "snapshot":
+            gen = start(snapshot)
+        else:
+            gen.generate(stop_ids=case.stops)
+            gen.resume(snapshot.prompt, snapshot.queries, snapshot.first)
     before = len(gen.context)
     answer = gen.generate(stop_ids=case.stops)
     out = list(answer)
