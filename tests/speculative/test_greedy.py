@@ -73,12 +73,12 @@ def test_rebuild_on_low_acceptance(pair):
 
 
 @pytest.mark.parametrize("mode,device_rounds", [("retrieval", False), ("triforce", False), ("triforce", True)])
-def test_passes_wider_than_a_feed_piece_rebuild_from_the_right_query(pair, mode, device_rounds):
-    """A prefill chunk narrower than the full pass (`--prefill-chunk 2`, gamma2 5) splits each
-    verification into pieces, and the full cache keeps only the last piece's queries: a rebuild
-    after it scored chunks with the index of the token within the whole pass, out of that range
-    (found by a fuzz of settings). Rebuilds now ask for a position (Level.queries_at) and the tokens
-    stay autoregressive's."""
+def test_a_prefill_chunk_narrower_than_a_pass_keeps_the_pass_whole(pair, mode, device_rounds):
+    """A prefill chunk narrower than the full pass (`--prefill-chunk 2`, gamma2 5) split each
+    verification into pieces, a forward each, and the full cache kept only the last piece's queries:
+    a rebuild after it scored chunks with the index of the token within the whole pass, out of that
+    range (found by a fuzz of settings). Rebuilds now ask for a position (Level.queries_at), and the
+    full cache takes a verification pass in one forward, whatever the prompt's pieces."""
     target, drafter = pair
     ids = prompt(120, 7)
     cfg = GenerationConfig(max_new_tokens=60, budget=32, chunk_size=8, gamma1=2, gamma2=5, prefill_chunk=2,
@@ -86,8 +86,25 @@ def test_passes_wider_than_a_feed_piece_rebuild_from_the_right_query(pair, mode,
     reference = generate_ids(Models(target, None), ids, "autoregressive", cfg)
     gen = generator(Models(target, drafter), cfg, mode, len(ids) + 60, device_rounds)
     gen.prefill(ids)
+    widths = Widths(gen.full.model)
+    gen.full.model = widths
     assert gen.generate() == reference.tokens
     assert gen.stats.rebuilds > 10
+    assert max(widths.seen) > cfg.prefill_chunk and len(widths.seen) == gen.stats.passes["verify"]
+
+
+class Widths:
+    """A model that notes the width of every forward it runs."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, []
+
+    def __call__(self, ids, cache, **kw):
+        self.seen.append(ids.shape[0])
+        return self.model(ids, cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
 
 
 @pytest.mark.parametrize("mode,use_drafter,device_rounds", [

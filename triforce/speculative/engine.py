@@ -97,6 +97,9 @@ class Generator:
             make_full = full_cache_factory or (lambda shape, slots, reserve: FullCache(shape, slots, cfg.prefill_piece(self.device)))
             reserve = sizes.after_full_bytes(target.kv_shape(), drafter.kv_shape() if drafter else None)
             full_cache = make_full(target.kv_shape(), sizes.full, reserve)
+        # a verification pass in one forward, however small the prompt's pieces: split, it cost a
+        # forward (a read of every weight) per piece, and kept only the last piece's queries
+        full_cache.max_feed = max(full_cache.max_feed, sizes.widest + 1)
         self.clock = PassClock(self.device)
         # room past max_len: a round may propose (and the middle level overshoot) past the last token kept
         self.seq = Sequence(max_len + 2 * sizes.margin, self.device)
