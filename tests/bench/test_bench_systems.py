@@ -56,12 +56,13 @@ def _pretend_cuda(session, graphs: bool):
     ([], "cuda", 2, False),  # under tensor parallelism: its all-reduces are not captured
     ([], "cpu", 1, False),
     (["--no-cuda-graphs"], "cuda", 1, False),
-    (["--cuda-graphs"], "cuda", 2, True),
+    (["--cuda-graphs"], "cuda", 2, "Settings.cuda_graphs does not apply under tensor parallelism"),
     (["--cuda-graphs"], "cpu", 1, "Settings.cuda_graphs needs a CUDA device"),
 ])
 def test_cuda_graphs_are_on_by_default_on_one_gpu(tiny, flag, device, tp, expect):
     from triforce.cli import generate
     from triforce.model.errors import UserError
+    from triforce.runtime.settings import check_flags
 
     target, book = tiny
     opts = generate.parse_args(_flags(target, "--prompt-file", str(book), *flag))
@@ -69,6 +70,7 @@ def test_cuda_graphs_are_on_by_default_on_one_gpu(tiny, flag, device, tp, expect
     session.run, session.device = replace(session.run, tp=tp), device  # as a torchrun rank on a GPU would be
     if isinstance(expect, str):
         with pytest.raises(UserError, match=expect):
+            check_flags(session.run)
             session.cuda_graphs()
         return
     assert session.cuda_graphs() is expect

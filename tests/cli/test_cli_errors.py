@@ -137,6 +137,16 @@ def test_model_flags_refused_before_torch_uses_them(flags, words):
                                                          [int(v) if v.lstrip("-").isdigit() else v for v in flags[1::2]]))))
 
 
+@pytest.mark.parametrize("flag", ["--compile", "--cuda-graphs"])
+def test_graph_flags_under_tensor_parallelism_are_refused(flag):
+    """A rank's passes run eagerly around their all-reduce hooks (eager_steps.watched), so the flag could
+    only be ignored: it is refused while parsing, naming it, rather than silently doing nothing."""
+    with pytest.raises(UserError) as refused:
+        generate.parse_args(["--prompt", "t3", "--tp", "2", flag])
+    assert as_flags(str(refused.value)).startswith(f"{flag} does not apply under tensor parallelism (--tp 2)")
+    generate.parse_args(["--prompt", "t3", "--tp", "1", flag])  # one process: taken
+
+
 def test_flag_checks_import_no_torch():
     """`triforce generate --max-new-tokens -5` is refused in well under a second: before torch loads."""
     code = ("import sys; from triforce.cli import generate\n"

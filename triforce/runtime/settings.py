@@ -298,6 +298,12 @@ def check_flags(run: Settings) -> None:
         (0 <= run.rebuild_threshold <= 1, f"rebuild threshold must be in [0, 1] (got {run.rebuild_threshold})"),
         (run.prefill_chunk is None or run.prefill_chunk >= 1, f"prefill chunk must be >= 1 (got {run.prefill_chunk})"),
         (run.tp >= 1, f"Settings.tp must be at least 1 (got {run.tp})"),
+        # a rank's passes sum their shards through all-reduce hooks, which graphs would skip or trace:
+        # they run eagerly (model/eager_steps.watched), so the flags could only be ignored
+        (run.tp == 1 or not run.compile, f"Settings.compile does not apply under tensor parallelism (Settings.tp "
+         f"{run.tp}): each rank's passes run eagerly around their all-reduces; leave Settings.compile off"),
+        (run.tp == 1 or not run.cuda_graphs, f"Settings.cuda_graphs does not apply under tensor parallelism "
+         f"(Settings.tp {run.tp}): each rank's passes run eagerly around their all-reduces; leave it unset"),
         (run.weights in ("auto", "stored", "dequantized"),
          f"Settings.weights '{run.weights}' is not one of auto, stored, dequantized"),
         (run.kv_dtype in ("auto", "same", "bfloat16", "float16", "float32"),
