@@ -410,3 +410,21 @@ def test_kv_heads_not_divisible_is_one_line(tmp_path):
     assert len(errors) == 1, run.stderr
     assert errors[0].startswith("error: tensor parallel degree 2 does not divide the model's 3 KV heads"), run.stderr
     assert set(lines) <= {errors[0], "interrupted"} and len(lines) <= WORLD, run.stderr
+
+
+def test_chat_through_the_launcher_answers_as_one_process(cli_model, tmp_path):
+    """`triforce tp chat`: two ranks, rank 0 reading the questions from standard input and both
+    following them; the greedy answers are those of `triforce chat` in one process."""
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"t{t}" for t in tokens(400, seed=4)))
+    questions = "t5 t6 t7\nt9 t10 t11 t12\n/quit\n"
+    answers = {}
+    for name, launch in (("two ranks", ["tp", "chat"]), ("one process", ["chat"])):
+        run = subprocess.run([sys.executable, "-m", "triforce", *launch, "--model", str(cli_model), "--book", str(book),
+                              "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu",
+                              "--cache-dir", str(tmp_path / name)], input=questions, capture_output=True, text=True,
+                             env={**os.environ, "SPEC_TP_TIMEOUT": str(TIMEOUT_S)}, timeout=300)
+        assert run.returncode == 0, (name, run.stderr)
+        answers[name] = [line for line in run.stdout.splitlines() if line.startswith("> t")]
+    assert len(answers["one process"]) == 2 and answers["two ranks"] == answers["one process"], answers
+    assert list((tmp_path / "two ranks").glob("*-rank1.safetensors"))  # each rank kept its shard of the book

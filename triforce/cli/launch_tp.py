@@ -1,13 +1,14 @@
-"""Tensor-parallel generation: torchrun starts one `triforce generate` process per rank, each loading
-only its shard of the target (NCCL on GPUs, one per rank; gloo on CPU).
+"""Tensor-parallel generation and chat: torchrun starts one `triforce generate` (or `triforce chat`)
+process per rank, each loading only its shard of the target (NCCL on GPUs, one per rank; gloo on CPU).
 
     triforce-tp --model models/qwen2.5-coder-0.5b --max-new-tokens 64     # 2 ranks
+    triforce-tp chat --book book.txt --model ...   # a chat about a book: rank 0 reads the terminal
     triforce-tp --nproc 4 ...                 # degree of parallelism (or NPROC=4; default 2)
     SPEC_TP_TIMEOUT=120 triforce-tp ...       # seconds before a hung worker fails the run
     SPEC_TP_CHECK=1 triforce-tp ...           # compare logits across ranks every pass
 
-Every other flag goes to `triforce generate`; only rank 0 prints. The workers run with this
-process's interpreter, so a virtual environment need not be activated.
+Every other flag goes to the command (generate unless the first word is `chat`); only rank 0 prints.
+The workers run with this process's interpreter, so a virtual environment need not be activated.
 """
 from __future__ import annotations
 
@@ -17,11 +18,17 @@ import sys
 import tempfile
 
 
-def launch_args(nproc: int, generate_args: list[str]) -> list[str]:
+COMMANDS = ("generate", "chat")  # what a rank may run: triforce.cli.<command>
+
+
+def launch_args(nproc: int, args: list[str]) -> list[str]:
     """torchrun's arguments: --standalone (a private rendezvous on a free port, so concurrent
-    launches do not collide), one worker per rank running `python -m triforce.cli.generate`."""
-    return ["--standalone", "--nnodes=1", f"--nproc_per_node={nproc}", "--module", "triforce.cli.generate",
-            "--tp", str(nproc), *generate_args]
+    launches do not collide), one worker per rank running `python -m triforce.cli.generate` (or
+    .chat, where args begin with `chat`)."""
+    command = args[0] if args and args[0] in COMMANDS else "generate"
+    rest = args[1:] if args and args[0] in COMMANDS else args
+    return ["--standalone", "--nnodes=1", f"--nproc_per_node={nproc}", "--module", f"triforce.cli.{command}",
+            "--tp", str(nproc), *rest]
 
 
 def split_nproc(argv: list[str]) -> tuple[int, list[str]]:
