@@ -147,6 +147,24 @@ def test_graph_flags_under_tensor_parallelism_are_refused(flag):
     generate.parse_args(["--prompt", "t3", "--tp", "1", flag])  # one process: taken
 
 
+def test_a_worker_that_lost_its_peers_is_silent_after_their_error(tmp_path, monkeypatch, capsys):
+    """Between the workers of one triforce-tp launch (SAID_ENV): a line is said once, and a peer's
+    loss (PeerStopped, mostly what another worker's own error left behind) only where no line was."""
+    from triforce.cli.common import SAID_ENV, say_error
+
+    monkeypatch.setenv(SAID_ENV, str(tmp_path / "first"))
+    (tmp_path / "first").mkdir()
+    say_error("error: tensor-parallel worker 0 stopped responding", consequence=True)  # nothing said before
+    say_error("error: tensor-parallel worker 0 stopped responding", consequence=True)
+    monkeypatch.setenv(SAID_ENV, str(tmp_path / "second"))
+    (tmp_path / "second").mkdir()
+    say_error("error: budget 64 is too small")
+    say_error("error: budget 64 is too small")  # the other rank met it too
+    say_error("error: tensor-parallel worker 1 could not join the group of 2", consequence=True)
+    assert capsys.readouterr().err.splitlines() == ["error: tensor-parallel worker 0 stopped responding",
+                                                    "error: budget 64 is too small"]
+
+
 def test_flag_checks_import_no_torch():
     """`triforce generate --max-new-tokens -5` is refused in well under a second: before torch loads."""
     code = ("import sys; from triforce.cli import generate\n"

@@ -412,19 +412,70 @@ def test_kv_heads_not_divisible_is_one_line(tmp_path):
     assert set(lines) <= {errors[0], "interrupted"} and len(lines) <= WORLD, run.stderr
 
 
-def test_chat_through_the_launcher_answers_as_one_process(cli_model, tmp_path):
-    """`triforce tp chat`: two ranks, rank 0 reading the questions from standard input and both
-    following them; the greedy answers are those of `triforce chat` in one process."""
+def _wait_for_text(path: Path, proc: subprocess.Popen, text: str, count: int, seconds: float = 120) -> str:
+    """The file's text once it holds `text` `count` times (the process still running)."""
+    deadline = time.monotonic() + seconds
+    while (got := path.read_text()).count(text) < count:
+        assert proc.poll() is None, (got, path.with_suffix(".err").read_text())
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
+def test_a_chat_on_two_ranks_outlasts_a_pause_and_a_ctrl_c(cli_model, tmp_path):
+    """`triforce tp chat`, as a person uses it: a pause at the prompt longer than the collectives'
+    timeout (the other rank waits for rank 0's input without it), then a Ctrl-C to the launcher
+    during an answer, which it passes on: every rank stops after the same round (chat.agreed_stop),
+    the chat goes on, and the next answer is what one process answers after the same stopped turn."""
     book = tmp_path / "book.txt"
     book.write_text(" ".join(f"t{t}" for t in tokens(400, seed=4)))
-    questions = "t5 t6 t7\nt9 t10 t11 t12\n/quit\n"
-    answers = {}
-    for name, launch in (("two ranks", ["tp", "chat"]), ("one process", ["chat"])):
-        run = subprocess.run([sys.executable, "-m", "triforce", *launch, "--model", str(cli_model), "--book", str(book),
-                              "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu",
-                              "--cache-dir", str(tmp_path / name)], input=questions, capture_output=True, text=True,
-                             env={**os.environ, "SPEC_TP_TIMEOUT": str(TIMEOUT_S)}, timeout=300)
-        assert run.returncode == 0, (name, run.stderr)
-        answers[name] = [line for line in run.stdout.splitlines() if line.startswith("> t")]
-    assert len(answers["one process"]) == 2 and answers["two ranks"] == answers["one process"], answers
-    assert list((tmp_path / "two ranks").glob("*-rank1.safetensors"))  # each rank kept its shard of the book
+    flags = ["--model", str(cli_model), "--book", str(book), "--max-new-tokens", "600", "--temperature", "0",
+             "--device", "cpu", "--mode", "autoregressive", "--no-adaptive"]
+    out_path, err_path = tmp_path / "chat.out", tmp_path / "chat.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "triforce", "tp", "chat", *flags, "--cache-dir", str(tmp_path / "tp")],
+                                stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
+                                env={**os.environ, "SPEC_TP_TIMEOUT": "8"})
+    try:
+        proc.stdin.write("t5 t6 t7\n")
+        proc.stdin.flush()
+        _wait_for_text(out_path, proc, "cut at 600", 1)  # the first answer, whole
+        time.sleep(12)  # a person thinking: longer than the collectives' 8 s
+        proc.stdin.write("t9 t10\n")
+        proc.stdin.flush()
+        _wait_for_text(out_path, proc, "> t", 2)  # the second answer has begun
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("t11 t12 t13\n/quit\n")
+        proc.stdin.close()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    said = out_path.read_text()
+    assert proc.returncode == 0, (said, err_path.read_text())
+    assert "error" not in err_path.read_text(), err_path.read_text()
+    answers = [line.removeprefix("> ") for line in said.splitlines() if line.startswith("> t")]
+    summaries = [line for line in said.splitlines() if " tokens · " in line]
+    assert len(answers) == 3 and "stopped" in summaries[1] and "cut at 600" in summaries[2], said
+    stopped_after = int(summaries[1].split()[0])
+    assert 0 < stopped_after < 600
+    assert list((tmp_path / "tp").glob("*-rank1.safetensors"))  # each rank kept its shard of the book
+
+    # one process, the second answer cut after as many tokens as the ranks kept
+    from triforce.cli import chat
+
+    one = chat.start(chat.parse_args([*flags, "--cache-dir", str(tmp_path / "one")]), interactive=False)
+    try:
+        texts = [one.ask("t5 t6 t7").text]
+
+        def stop_at(new, levels, seen=[]):
+            seen.extend(new)
+            if len(seen) >= stopped_after:
+                raise KeyboardInterrupt
+
+        second = one.ask("t9 t10", on_tokens=stop_at)
+        assert second.status == "interrupted" and len(second.tokens) == stopped_after
+        texts += [second.text, one.ask("t11 t12 t13").text]
+    finally:
+        one.close()
+    assert [" ".join(a.split()) for a in answers] == texts

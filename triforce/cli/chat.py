@@ -243,7 +243,8 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     chat = start(opts)
     if not chat.is_main and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # other ranks follow rank 0's input, not the keyboard
+        # other ranks follow rank 0's input; a Ctrl-C reaches them only to stop an answer (chat.agreed_stop)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return repl(chat, sys.stdin, chat.session.stdout, opts.show_levels)
     finally:

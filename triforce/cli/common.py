@@ -182,7 +182,7 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
     except UserError as e:
         if state["signalled"]:
             return _interrupted()
-        say_error(f"error: {as_flags(str(e))}")
+        say_error(f"error: {as_flags(str(e))}", consequence=getattr(e, "consequence", False))
         return 2
     except MemoryError:
         say_error("error: out of memory; lower --context, --budget or use --dtype bfloat16")
@@ -200,11 +200,19 @@ def run_cli(main: Callable[[list[str] | None], int], argv=None) -> int:
 SAID_ENV = "TRIFORCE_TP_SAID"
 
 
-def say_error(line: str) -> None:
+def say_error(line: str, consequence: bool = False) -> None:
     """Print an error line, once between the tensor-parallel workers of one launch: most errors (a
     setting, the model, the prompt) strike every rank alike, and a user reads the line once. A line
-    only one worker meets (its memory, its peers) is still said by that worker."""
+    only one worker meets (its memory, its peers) is still said by that worker. A `consequence` (its
+    peers stopped: errors.PeerStopped) is said only where no worker has said a line: one that meets
+    an error first says it before it exits, and the others then lose it."""
     said = os.environ.get(SAID_ENV)
+    if said and consequence:
+        try:
+            if os.listdir(said):
+                return
+        except OSError:
+            pass
     if said:
         name = hashlib.sha1(line.encode()).hexdigest()
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -49,11 +50,32 @@ def split_nproc(argv: list[str]) -> tuple[int, list[str]]:
     return int(nproc), rest
 
 
+def _signal_children(sig: int) -> None:
+    """Send `sig` to each process this one started (torchrun's workers), found in /proc."""
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]  # after the name, which may hold spaces
+            if parent == me:
+                os.kill(int(pid), sig)
+        except (OSError, IndexError):
+            pass  # it ended meanwhile
+
+
 def cli() -> None:
     from triforce.cli.common import SAID_ENV
     from triforce.parallel.launch import INTERRUPTED, main as torchrun
 
     nproc, rest = split_nproc(sys.argv[1:])
+    if rest[:1] == ["chat"] and os.path.isdir("/proc"):
+        # A Ctrl-C in a chat stops an answer: rank 0 notes it and the ranks agree after which round
+        # (runtime/chat.agreed_stop). torchrun's agent would instead stop every worker, and the
+        # workers, each in a session of its own, never see the terminal's Ctrl-C: this process
+        # passes it on to them (the other ranks ignore it once the chat has started)
+        # (torchrun's --signals-to-handle, read from PET_...; older torch reads the agent's own variable)
+        os.environ["PET_SIGNALS_TO_HANDLE"] = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
+        signal.signal(signal.SIGINT, lambda *_: _signal_children(signal.SIGINT))
     # Ranks share the machine's cores: without a limit every rank starts a thread per core and they
     # fight (on a 2-core box, 1 thread each). torchrun would otherwise force 1 and warn about it.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -7,3 +7,11 @@ the message names the problem and the fix.
 
 class UserError(Exception):
     """A problem with the user's input or environment, reported as one line."""
+
+
+class PeerStopped(UserError):
+    """A tensor-parallel worker lost its peers (they stopped responding, or left before the group
+    formed). Mostly the consequence of another worker's own error: said only where no worker of the
+    launch has said a line (cli.common.say_error)."""
+
+    consequence = True

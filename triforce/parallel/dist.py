@@ -25,10 +25,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from triforce.model.errors import UserError
+from triforce.model.errors import PeerStopped, UserError
 from triforce.model.tensor_parallel import apply_tp
 
 DEFAULT_TIMEOUT_S = 60.0
+# how long the other ranks wait for what a person types at rank 0's terminal (chat): without the
+# collectives' timeout, or a question pondered for a minute ended the chat
+PERSON_WAIT = datetime.timedelta(days=7)
 TIMEOUT_ENV = "SPEC_TP_TIMEOUT"  # seconds a collective may wait for the other ranks
 CHECK_ENV = "SPEC_TP_CHECK"  # 1: compare logits across ranks after every forward (debugging)
 FAILED_EXIT_STATUS = 2  # what run_cli returns for a UserError
@@ -69,6 +72,7 @@ class TensorParallel:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device, self.timeout, self.group, self.check = device, timeout, group, check
         self.failed = False
+        self._input_group = None  # share_input's gloo group, made on first use
         if group is not None:
             atexit.register(self._at_exit)
 
@@ -100,17 +104,28 @@ class TensorParallel:
         box = torch.tensor([float(value) if self.rank == 0 else 0.0], device=self.device)
         return int(self.all_reduce(box).item())
 
-    def share(self, read):
+    def share(self, read, group=None):
         """read() on rank 0, its (picklable) result on every rank: under torchrun only rank 0 has the
-        terminal, and the other ranks follow what it read."""
+        terminal, and the other ranks follow what it read (over `group`, default the ranks' own)."""
         if self.group is None:
             return read()
         box = [read() if self.rank == 0 else None]
         try:
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            dist.broadcast_object_list(box, src=0, group=group or self.group)
         except RuntimeError as e:
             raise self._stopped(e) from None
         return box[0]
+
+    def share_input(self, read):
+        """share() for what a person types at rank 0's terminal: the other ranks wait as long as that
+        takes, in a gloo group of its own without the collectives' timeout (a rank 0 that exits still
+        ends their wait at once: the connection closes). Every rank calls it at the same points."""
+        if self.group is not None and self._input_group is None:
+            try:
+                self._input_group = dist.new_group(backend="gloo", timeout=PERSON_WAIT)
+            except RuntimeError as e:
+                raise self._stopped(e) from None
+        return self.share(read, self._input_group)
 
     def check_consistent(self, x: torch.Tensor, what: str = "logits") -> None:
         """Raise if ranks hold different x (one small all-reduce and a host sync: debugging only)."""
@@ -125,10 +140,10 @@ class TensorParallel:
             raise UserError(f"tensor-parallel workers computed different {what} (checksums {low!r} .. {high!r}); "
                             f"the ranks run different code, inputs or settings")
 
-    def _stopped(self, e: Exception) -> UserError:
+    def _stopped(self, e: Exception) -> PeerStopped:
         self.failed = True
         others = str(1 - self.rank) if self.world_size == 2 else f"other than {self.rank}"
-        return UserError(f"tensor-parallel worker {others} stopped responding ({_reason(e)}); worker {self.rank} "
+        return PeerStopped(f"tensor-parallel worker {others} stopped responding ({_reason(e)}); worker {self.rank} "
                          f"gives up (collectives wait at most {self.timeout:g} s, {TIMEOUT_ENV}): check the other "
                          f"worker's output")
 
@@ -222,6 +237,10 @@ def setup_tensor_parallel(tp: int, device: str = "auto", timeout: float | None =
     try:
         dist.init_process_group(rank=rank, world_size=world, **kwargs)
     except (RuntimeError, ValueError) as e:  # rendezvous timeout, port in use, bad MASTER_ADDR
-        raise UserError(f"tensor-parallel worker {rank} could not join the group of {world} "
+        raise PeerStopped(f"tensor-parallel worker {rank} could not join the group of {world} "
                         f"({_reason(e)}); check MASTER_ADDR/MASTER_PORT and that every worker started") from None
-    return TensorParallel(rank, world, local, where, timeout, group=dist.group.WORLD, check=check)
+    tp = TensorParallel(rank, world, local, where, timeout, group=dist.group.WORLD, check=check)
+    # every rank connected before any goes on: a rank that then met an error and left at once broke
+    # a peer's half-made connections (gloo's connectFullMesh), which said two more lines than its own
+    tp.all_agree(True)
+    return tp

@@ -54,7 +54,11 @@ class Chat:
         self.threads = torch.get_num_threads()
         self.is_main = session is None or session.is_main  # under torchrun only rank 0 writes files
         dist = session.dist if session is not None else None
-        self.share = dist.share if dist is not None else (lambda read: read())  # rank 0 reads the terminal
+        self.share = dist.share_input if dist is not None else (lambda read: read())  # rank 0 reads the terminal
+        # under tensor parallelism a Ctrl-C (triforce-tp passes it to every rank) stops every rank's
+        # answer after the same round (agreed_stop): a rank that stopped alone, or inside a forward,
+        # would leave the others waiting in a collective
+        self.group = dist if dist is not None and dist.group is not None else None
         self.turns: list[Answer] = []  # the conversation the caches hold
         self.log: list[Answer | None] = []  # everything said, None marking a /reset (for /save)
         self.last: Answer | None = None
@@ -74,27 +78,29 @@ class Chat:
                             f"room: /reset keeps the book and starts over (or restart with a larger ChatOptions.room)")
         gen.reset_stats()
         start = time.perf_counter()
-        try:
-            gen.extend(ids)
-        except KeyboardInterrupt:
-            with held_interrupts():
-                gen.truncate(before)
-            raise
-        first = len(gen.context) - 1  # extend sampled the answer's first token
-        received: list[int] = []
+        with agreed_stop(self.group) as stop:
+            try:
+                gen.extend(ids)
+            except KeyboardInterrupt:
+                with held_interrupts():
+                    gen.truncate(before)
+                raise
+            first = len(gen.context) - 1  # extend sampled the answer's first token
+            received: list[int] = []
 
-        def collect(new, levels):
-            received.extend(new)
-            if on_tokens is not None:
-                on_tokens(new, levels)
+            def collect(new, levels):
+                received.extend(new)
+                if on_tokens is not None:
+                    on_tokens(new, levels)
+                stop.check()
 
-        decode_start = time.perf_counter()
-        status = "interrupted"
-        try:
-            gen.generate(on_tokens=collect, stop_ids=self.stops)
-            status = "stop" if received and received[-1] in self.stops else "length"
-        except KeyboardInterrupt:
-            pass
+            decode_start = time.perf_counter()
+            status = "interrupted"
+            try:
+                gen.generate(on_tokens=collect, stop_ids=self.stops)
+                status = "stop" if received and received[-1] in self.stops else "length"
+            except KeyboardInterrupt:
+                pass
         with held_interrupts():  # a second Ctrl-C must not leave the caches half-repaired
             if len(gen.context) != first + len(received):
                 gen.truncate(first + len(received))  # drop tokens past the stop, or not yet shown
@@ -145,6 +151,34 @@ def held_interrupts():
     previous = signal.signal(signal.SIGINT, lambda *_: None)
     try:
         yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class AgreedStop:
+    """A Ctrl-C noted rather than raised; check() raises KeyboardInterrupt on every rank once any
+    rank has noted one (an all-reduce of a flag, after each round's tokens)."""
+
+    def __init__(self, group):
+        self.group, self.asked = group, False
+
+    def check(self) -> None:
+        if self.group is not None and not self.group.all_agree(not self.asked):
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def agreed_stop(group):
+    """While an answer is made under tensor parallelism (`group`, else nothing changes): a Ctrl-C
+    only notes a stop, taken by every rank at the same round (AgreedStop.check); raised where it
+    came, it could leave a forward half run between two all-reduces."""
+    stop = AgreedStop(group)
+    if group is None or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: setattr(stop, "asked", True))
+    try:
+        yield stop
     finally:
         signal.signal(signal.SIGINT, previous)
 
