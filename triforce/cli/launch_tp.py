@@ -69,11 +69,11 @@ def cli() -> None:
 
     nproc, rest = split_nproc(sys.argv[1:])
     if rest[:1] == ["chat"] and os.path.isdir("/proc"):
-        # A Ctrl-C in a chat stops an answer: rank 0 notes it and the ranks agree after which round
-        # (runtime/chat.agreed_stop). torchrun's agent would instead stop every worker, and the
-        # workers, each in a session of its own, never see the terminal's Ctrl-C: this process
-        # passes it on to them (the other ranks ignore it once the chat has started)
-        # (torchrun's --signals-to-handle, read from PET_...; older torch reads the agent's own variable)
+        # A Ctrl-C in a chat stops an answer, every rank after the same round (runtime/chat.agreed_stop).
+        # torchrun's agent would stop every worker instead, and the workers, each in a session of its
+        # own, never see the terminal's Ctrl-C: the agent leaves SIGINT alone (torchrun's
+        # --signals-to-handle, read from PET_...; older torch reads the agent's own variable) and
+        # this process passes it on to them
         os.environ["PET_SIGNALS_TO_HANDLE"] = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
         signal.signal(signal.SIGINT, lambda *_: _signal_children(signal.SIGINT))
     # Ranks share the machine's cores: without a limit every rank starts a thread per core and they

@@ -101,18 +101,20 @@ class Chat:
                 status = "stop" if received and received[-1] in self.stops else "length"
             except KeyboardInterrupt:
                 pass
-        with held_interrupts():  # a second Ctrl-C must not leave the caches half-repaired
-            if len(gen.context) != first + len(received):
-                gen.truncate(first + len(received))  # drop tokens past the stop, or not yet shown
-            if status == "interrupted":
-                _count_decode(gen.stats, len(received), time.perf_counter() - decode_start)
-        text = self.tok.decode(received, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
-        answer = Answer(question, received, text, status, time.perf_counter() - start, gen.stats)
-        self.turns.append(answer)
-        self.log.append(answer)
-        self.last = answer
-        if self.learned_file is not None:
-            learned.save(self.learned_file, gen, self.threads)
+            # still inside agreed_stop: under tensor parallelism a late Ctrl-C must not skip, on one
+            # rank only, what the conversation keeps of this turn
+            with held_interrupts():  # a second Ctrl-C must not leave the caches half-repaired
+                if len(gen.context) != first + len(received):
+                    gen.truncate(first + len(received))  # drop tokens past the stop, or not yet shown
+                if status == "interrupted":
+                    _count_decode(gen.stats, len(received), time.perf_counter() - decode_start)
+            text = self.tok.decode(received, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
+            answer = Answer(question, received, text, status, time.perf_counter() - start, gen.stats)
+            self.turns.append(answer)
+            self.log.append(answer)
+            self.last = answer
+            if self.learned_file is not None:
+                learned.save(self.learned_file, gen, self.threads)
         return answer
 
     def reset(self) -> None:
