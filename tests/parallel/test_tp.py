@@ -435,12 +435,12 @@ def test_a_chat_on_two_ranks_outlasts_a_pause_and_a_ctrl_c(cli_model, tmp_path):
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "triforce", "tp", "chat", *flags, "--cache-dir", str(tmp_path / "tp")],
                                 stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
-                                env={**os.environ, "SPEC_TP_TIMEOUT": "8"})
+                                env={**os.environ, "SPEC_TP_TIMEOUT": "15"})
     try:
         proc.stdin.write("t5 t6 t7\n")
         proc.stdin.flush()
         _wait_for_text(out_path, proc, "cut at 600", 1)  # the first answer, whole
-        time.sleep(12)  # a person thinking: longer than the collectives' 8 s
+        time.sleep(20)  # a person thinking: longer than the collectives' 15 s
         proc.stdin.write("t9 t10\n")
         proc.stdin.flush()
         _wait_for_text(out_path, proc, "> t", 2)  # the second answer has begun
